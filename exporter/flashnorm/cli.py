@@ -1,0 +1,79 @@
+"""`flashnorm` command line: thin. Each subcommand lives in `flashnorm.tools.<name>`, which
+defines `add_arguments(parser)` and `run(args) -> dict`; this file parses, calls, prints the
+report, and turns a FlashNormError into one line and a non-zero exit."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import sys
+from typing import Sequence
+
+from flashnorm import __version__
+from flashnorm.errors import FlashNormError
+
+# Subcommand name → (module under flashnorm.tools, one-line help). Modules are imported only
+# when their command runs, so `flashnorm --help` needs none of torch/tensorrt/tritonclient.
+COMMANDS: dict[str, tuple[str, str]] = {
+    "export": ("export", "Hugging Face directory or GGUF file → ONNX (logits, optional KV cache)"),
+    "inspect": ("inspect", "list every RMSNorm site and whether fold/cancel/defer apply"),
+    "optimize": ("optimize", "fold gains, cancel redundant norms, defer into FlashNormMatMul"),
+    "compare": ("compare", "compare two models (ONNX Runtime, or TensorRT where installed)"),
+    "build": ("build", "build a TensorRT engine with the FlashNorm plugin"),
+    "triton": ("triton", "write a Triton Inference Server model repository"),
+    "demo": ("demo", "export SmolLM2-135M, optimize, compare and generate"),
+}
+
+
+def _tool(name: str):
+    return importlib.import_module(f"flashnorm.tools.{COMMANDS[name][0]}")
+
+
+def build_parser(argv: Sequence[str]) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="flashnorm", description=__doc__.splitlines()[0])
+    parser.add_argument("--version", action="version", version=f"flashnorm {__version__}")
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
+    subparsers.required = True
+    wanted = next((a for a in argv if a in COMMANDS), None)
+    for name, (_, help_text) in COMMANDS.items():
+        sub = subparsers.add_parser(name, help=help_text, description=help_text)
+        sub.add_argument(
+            "--report", metavar="PATH",
+            help="also write the command's report as JSON to PATH ('-' prints JSON instead of text)",
+        )
+        sub.add_argument("-q", "--quiet", action="store_true", help="print nothing but errors")
+        if name == wanted:
+            _tool(name).add_arguments(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser(argv)
+    args = parser.parse_args(argv)
+    tool = _tool(args.command)
+    try:
+        report = tool.run(args)
+    except FlashNormError as exc:
+        print(f"flashnorm {args.command}: error: {exc}", file=sys.stderr)
+        return exc.exit_code
+    except KeyboardInterrupt:
+        print(f"flashnorm {args.command}: interrupted", file=sys.stderr)
+        return 130
+    from flashnorm.report import _jsonable, write_json_report
+
+    if args.report == "-":
+        print(json.dumps(_jsonable(report), indent=2))
+    elif args.report:
+        try:
+            write_json_report(args.report, report)
+        except FlashNormError as exc:
+            print(f"flashnorm {args.command}: error: {exc}", file=sys.stderr)
+            return exc.exit_code
+    failed = isinstance(report, dict) and report.get("passed") is False
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

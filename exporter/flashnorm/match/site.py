@@ -1,0 +1,59 @@
+"""NormSite: what every matcher returns, whatever spelling the exporter used."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+import numpy as np
+import onnx_graphsurgeon as gs
+
+
+@dataclasses.dataclass
+class NormSite:
+    """One RMSNorm in a graph: y = x / sqrt(mean(x², axis=-1) + eps) · gain.
+
+    A matcher fills every field; passes read them and never re-walk the norm's nodes.
+    """
+
+    name: str
+    """Stable identifier used in reports (the name of the site's output tensor)."""
+
+    spelling: str
+    """The family that matched: 'decomposed', 'RMSNormalization',
+    'SimplifiedLayerNormalization' or 'SkipSimplifiedLayerNormalization'."""
+
+    input: gs.Variable
+    """The tensor that is normalized (for the Skip form: the residual sum's inputs live in
+    `nodes`, and `input` is the first data input)."""
+
+    output: gs.Variable
+    """The tensor the consumers read: the normalized input times the gain, after any
+    trailing Cast."""
+
+    nodes: list[gs.Node]
+    """Every node that belongs to the site, producer order."""
+
+    eps: float
+    axis: int
+    """Normalized axis, negative (the last axis, -1, for every site FlashNorm accepts)."""
+
+    gain: Optional[np.ndarray]
+    """The effective per-channel multiplier g in float64 (for a (1+w) gain: 1+w), or None
+    when the norm has no gain at all."""
+
+    gain_convention: str
+    """'w', '1+w' or 'none'."""
+
+    gain_tensor: Optional[gs.Constant] = None
+    """The initializer that stores the gain (w itself for the '1+w' convention)."""
+
+    hidden_size: Optional[int] = None
+
+    @property
+    def consumers(self) -> list[gs.Node]:
+        return list(self.output.outputs)
+
+    @property
+    def is_weightless(self) -> bool:
+        return self.gain is None or bool(np.all(self.gain == 1.0))

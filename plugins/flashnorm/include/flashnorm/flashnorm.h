@@ -1,0 +1,107 @@
+/*
+ * FlashNorm kernel library: C ABI.
+ *
+ *   y = (x · W*) ⊙ rsqrt(mean(x², axis=-1) + eps)      per row of x
+ *
+ * x is [M, K] row-major, W* is [K, N] row-major (the ONNX MatMul layout, the norm's gain
+ * already folded in). The N columns may be split into several outputs [M, N_i] (q|k|v,
+ * gate|up), each written straight to its own buffer. Inputs and outputs share one dtype;
+ * accumulation and the RMS are fp32.
+ *
+ * Every front end (TensorRT plugin, Python binding, tests) calls only this header.
+ */
+#ifndef FLASHNORM_FLASHNORM_H
+#define FLASHNORM_FLASHNORM_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include <cuda_runtime_api.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#if defined(_WIN32)
+#define FLASHNORM_API __declspec(dllexport)
+#else
+#define FLASHNORM_API __attribute__((visibility("default")))
+#endif
+
+typedef enum flashnorm_dtype
+{
+    FLASHNORM_DTYPE_F32 = 0,
+    FLASHNORM_DTYPE_F16 = 1,
+    FLASHNORM_DTYPE_BF16 = 2,
+} flashnorm_dtype;
+
+typedef enum flashnorm_strategy
+{
+    FLASHNORM_STRATEGY_AUTO = 0,       /* picks by M; thresholds measured on H200, see docs/BENCHMARKS.md */
+    FLASHNORM_STRATEGY_TWO_STREAM = 1, /* cuBLASLt GEMM on the caller's stream ‖ RMS on a side stream */
+    FLASHNORM_STRATEGY_FUSED = 2,      /* one kernel: GEMV + sum(x²) + scale in its epilogue */
+} flashnorm_strategy;
+
+typedef enum flashnorm_status
+{
+    FLASHNORM_STATUS_OK = 0,
+    FLASHNORM_STATUS_INVALID_ARGUMENT = 1,
+    FLASHNORM_STATUS_UNSUPPORTED = 2,
+    FLASHNORM_STATUS_WORKSPACE_TOO_SMALL = 3,
+    FLASHNORM_STATUS_CUDA_ERROR = 4,
+    FLASHNORM_STATUS_CUBLAS_ERROR = 5,
+} flashnorm_status;
+
+#define FLASHNORM_MAX_OUTPUTS 8
+
+/* Opaque per-execution-context state: side stream, fork/join events, cuBLASLt handle and
+ * preference, algorithm cache. Create once (never inside a CUDA-graph capture); every
+ * flashnorm_matmul call on it is then allocation-free, sync-free and capture-safe. One
+ * context must not be used from two host threads at once. */
+typedef struct flashnorm_context flashnorm_context;
+
+typedef struct flashnorm_problem
+{
+    int64_t m;                                   /* rows of x (tokens); may be 0 */
+    int64_t k;                                   /* hidden size */
+    int64_t n;                                   /* total output columns = sum(split_sizes) */
+    int32_t num_outputs;                         /* 1 .. FLASHNORM_MAX_OUTPUTS */
+    int64_t split_sizes[FLASHNORM_MAX_OUTPUTS];  /* columns of each output, in W* order */
+    flashnorm_dtype dtype;
+    float eps;
+    flashnorm_strategy strategy;
+} flashnorm_problem;
+
+/* Creates a context on the current CUDA device. */
+FLASHNORM_API flashnorm_status flashnorm_context_create(flashnorm_context** context);
+FLASHNORM_API void flashnorm_context_destroy(flashnorm_context* context);
+
+/* Bytes of device workspace flashnorm_matmul needs for this problem or any smaller M. */
+FLASHNORM_API size_t flashnorm_workspace_size(flashnorm_problem const* problem);
+
+/* The strategy AUTO resolves to for this problem (never AUTO). */
+FLASHNORM_API flashnorm_strategy flashnorm_resolve_strategy(flashnorm_problem const* problem);
+
+/* Enqueues y_i = (x · W*)[:, cols_i] ⊙ rsqrt(mean(x²)+eps) on `stream`. Asynchronous; returns
+ * before the GPU finishes. outputs[i] points to an [m, split_sizes[i]] row-major buffer. */
+FLASHNORM_API flashnorm_status flashnorm_matmul(flashnorm_context* context, flashnorm_problem const* problem,
+    void const* x, void const* w, void* const* outputs, void* workspace, size_t workspace_bytes,
+    cudaStream_t stream);
+
+FLASHNORM_API char const* flashnorm_status_string(flashnorm_status status);
+
+/* The last error's detail on this context (thread-unsafe, for messages only). */
+FLASHNORM_API char const* flashnorm_context_last_error(flashnorm_context const* context);
+
+/* Test hook: the side-stream reduction spins this many GPU clock cycles before writing its
+ * result, so that a missing join would read a stale buffer. 0 (the default) disables it. */
+FLASHNORM_API void flashnorm_testing_set_side_delay(flashnorm_context* context, int64_t cycles);
+
+/* 1 if this build was made with FLASHNORM_TESTING_DROP_JOIN (the race mutation), else 0. */
+FLASHNORM_API int flashnorm_testing_join_dropped(void);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* FLASHNORM_FLASHNORM_H */
