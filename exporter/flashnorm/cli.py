@@ -8,10 +8,11 @@ import argparse
 import importlib
 import json
 import sys
-from typing import Sequence
+from typing import Any, Sequence
 
 from flashnorm import __version__
 from flashnorm.errors import FlashNormError
+from flashnorm.progress import Progress
 
 # Subcommand name → (module under flashnorm.tools, one-line help). Modules are imported only
 # when their command runs, so `flashnorm --help` needs none of torch/tensorrt/tritonclient.
@@ -27,7 +28,16 @@ COMMANDS: dict[str, tuple[str, str]] = {
 
 
 def _tool(name: str):
-    return importlib.import_module(f"flashnorm.tools.{COMMANDS[name][0]}")
+    """The command's module. A missing optional dependency (torch for `export`, ...) becomes a
+    one-line FlashNormError naming it, not a traceback."""
+    module = f"flashnorm.tools.{COMMANDS[name][0]}"
+    try:
+        return importlib.import_module(module)
+    except ModuleNotFoundError as exc:
+        if exc.name and (exc.name == module or not exc.name.startswith("flashnorm")):
+            missing = "is not available in this installation" if exc.name == module else f"needs the '{exc.name}' package"
+            raise FlashNormError(f"command '{name}' {missing}") from None
+        raise
 
 
 def build_parser(argv: Sequence[str]) -> argparse.ArgumentParser:
@@ -48,16 +58,49 @@ def build_parser(argv: Sequence[str]) -> argparse.ArgumentParser:
     return parser
 
 
+def _flat(value: Any) -> bool:
+    items = value.values() if isinstance(value, dict) else value
+    return not any(isinstance(item, (dict, list)) for item in items)
+
+
+def _text(value: dict | list, indent: str = "") -> list[str]:
+    """A report as indented `key: value` lines (the default, human-readable output)."""
+    lines: list[str] = []
+    pairs = value.items() if isinstance(value, dict) else (("-", item) for item in value)
+    for key, item in pairs:
+        label = f"{indent}{key}" + (":" if isinstance(value, dict) else "")
+        if isinstance(item, (dict, list)) and not _flat(item):
+            lines.append(label)
+            lines += _text(item, indent + "  ")
+        elif isinstance(item, dict):
+            lines.append(f"{label} " + ", ".join(f"{k}={v}" for k, v in item.items()))
+        elif isinstance(item, list):
+            lines.append(f"{label} " + ", ".join(str(v) for v in item))
+        else:
+            lines.append(f"{label} {item}")
+    return lines
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    parser = build_parser(argv)
+    command = next((a for a in argv if a in COMMANDS), "")
+    try:
+        parser = build_parser(argv)
+    except FlashNormError as exc:
+        print(f"flashnorm {command}: error: {exc}", file=sys.stderr)
+        return exc.exit_code
     args = parser.parse_args(argv)
+    if args.quiet:
+        Progress.enabled = False
     tool = _tool(args.command)
     try:
         report = tool.run(args)
     except FlashNormError as exc:
         print(f"flashnorm {args.command}: error: {exc}", file=sys.stderr)
         return exc.exit_code
+    except OSError as exc:  # the disk or the file system said no: not a FlashNorm bug
+        print(f"flashnorm {args.command}: error: {exc}", file=sys.stderr)
+        return FlashNormError.exit_code
     except KeyboardInterrupt:
         print(f"flashnorm {args.command}: interrupted", file=sys.stderr)
         return 130
@@ -65,12 +108,20 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     if args.report == "-":
         print(json.dumps(_jsonable(report), indent=2))
-    elif args.report:
-        try:
-            write_json_report(args.report, report)
-        except FlashNormError as exc:
-            print(f"flashnorm {args.command}: error: {exc}", file=sys.stderr)
-            return exc.exit_code
+    else:
+        if args.report:
+            try:
+                write_json_report(args.report, report)
+            except FlashNormError as exc:
+                print(f"flashnorm {args.command}: error: {exc}", file=sys.stderr)
+                return exc.exit_code
+        if not args.quiet and report is not None:
+            plain = _jsonable(report)
+            format_text = getattr(tool, "format_text", None)  # a tool may render its own table
+            if format_text is not None:
+                print(format_text(plain))
+            else:
+                print("\n".join(_text(plain)) if isinstance(plain, (dict, list)) else plain)
     failed = isinstance(report, dict) and report.get("passed") is False
     return 1 if failed else 0
 

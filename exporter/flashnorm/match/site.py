@@ -50,6 +50,25 @@ class NormSite:
 
     hidden_size: Optional[int] = None
 
+    gain_node: Optional[gs.Node] = None
+    """The node that multiplies by the gain (the Mul, or the fused norm node)."""
+
+    gain_index: Optional[int] = None
+    """Which input of `gain_node` carries the gain: a fold writes ones there."""
+
+    gain_dtype: Optional[np.dtype] = None
+    """The dtype the gain has where `gain_node` reads it (after any Cast on the gain)."""
+
+    data_inputs: list[gs.Tensor] = dataclasses.field(default_factory=list)
+    """Every non-constant input the site reads: [input] or, for the Skip form,
+    [input, skip]."""
+
+    residual_output: Optional[gs.Variable] = None
+    """Skip form only: the residual sum input+skip(+bias) the node also writes, if used."""
+
+    output_cast: Optional[int] = None
+    """ONNX dtype of a Cast between the normalization and `output`, if any."""
+
     @property
     def consumers(self) -> list[gs.Node]:
         return list(self.output.outputs)

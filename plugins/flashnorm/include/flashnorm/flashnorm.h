@@ -37,7 +37,7 @@ typedef enum flashnorm_dtype
 
 typedef enum flashnorm_strategy
 {
-    FLASHNORM_STRATEGY_AUTO = 0,       /* picks by M; thresholds measured on H200, see docs/BENCHMARKS.md */
+    FLASHNORM_STRATEGY_AUTO = 0,       /* picks by M and K·N; thresholds measured on H200, see capi.cpp */
     FLASHNORM_STRATEGY_TWO_STREAM = 1, /* cuBLASLt GEMM on the caller's stream ‖ RMS on a side stream */
     FLASHNORM_STRATEGY_FUSED = 2,      /* one kernel: GEMV + sum(x²) + scale in its epilogue */
 } flashnorm_strategy;

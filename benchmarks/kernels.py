@@ -1,0 +1,491 @@
+"""FlashNorm kernels against cuBLAS, F.rms_norm + cuBLAS and torch.compile, bf16, on one GPU.
+
+    python benchmarks/kernels.py --out DIR          # GPU: writes DIR/kernels.md, DIR/kernels.json
+    python benchmarks/kernels.py --smoke            # CPU: tiny shapes, wall clock, checks the script
+
+What is measured. Every column is the median time of one call, in µs, under CUDA-graph
+replay: a graph captures one call on each of R input sets in turn (x, W, gain, outputs), is
+replayed 3 times to warm up and then `--replays` (25) times between CUDA events; the median replay
+time over R is the number. R is chosen so that the R sets together hold at least twice the
+L2 cache: each call reads its W from HBM, as in a real decode step, where the other layers'
+weights evict it between two uses (a 576×1536 bf16 W alone would fit in the 60 MB L2 many
+times over and time the cache, not the kernel). Inputs are random normal, never zeros.
+
+Columns:
+  gemm        torch.mm(x, W) alone: cuBLAS, the norm skipped (the target to match);
+  rms+gemm    torch.mm(F.rms_norm(x, (K,), g, eps), W): PyTorch's fused norm kernel + cuBLAS;
+  compile     torch.compile (default mode, default settings) of the unfused module
+              (fp32 upcast, pow/mean/rsqrt, · gain, matmul), the strongest peer;
+  two_stream, fused, auto   flashnorm.kernels.flashnorm_matmul(x, W*, eps, splits, strategy)
+              writing each split to its own buffer (the torch columns write one [M, N]);
+  floor       max(bytes / 4.3 TB/s, 2·M·K·N / 790 TFLOP/s): bytes = x + W + y once each
+              (the copy bandwidth and bf16 matrix rate measured on this kind of machine).
+W is [K, N] row-major for every column. Before timing, every FlashNorm strategy's output is
+checked against an fp32 reference of the folded math (relative L2 error reported).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import math
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from shapes import EPS, SITES, TOKEN_COUNTS, Site  # noqa: E402
+
+HBM_BYTES_PER_S = 4.3e12
+BF16_FLOPS_PER_S = 790e12
+CHECK_TOLERANCE = 1e-2  # bf16 outputs: 8 significant bits, fp32 accumulation
+STRATEGIES = ("two_stream", "fused", "auto")
+COLUMNS = ("gemm", "rms+gemm", "compile", *STRATEGIES)
+
+SetCall = Callable[[int], object]  # runs one call on input set i
+
+
+@dataclasses.dataclass
+class InputSet:
+    x: torch.Tensor  # [M, K]
+    w: torch.Tensor  # [K, N]
+    gain: torch.Tensor  # [K]
+    y: torch.Tensor  # [M, N]
+    outs: list[torch.Tensor]  # [M, N_i]
+
+
+def unfused_norm_matmul(x: torch.Tensor, gain: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm as transformers' Llama writes it (fp32 upcast, pow, mean, rsqrt, · gain), then matmul."""
+    x32 = x.float()
+    normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return (gain * normed.to(x.dtype)) @ w
+
+
+def reference_flashnorm(x: torch.Tensor, w_folded: torch.Tensor, eps: float) -> torch.Tensor:
+    """(x · W*) ⊙ rsqrt(mean(x²)+eps) in fp32."""
+    x32 = x.float()
+    return (x32 @ w_folded.float()) * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+
+
+def relative_error(candidate: torch.Tensor, reference: torch.Tensor) -> float:
+    return float((candidate.float() - reference).norm() / reference.norm())
+
+
+def floor_us(site: Site, m: int, element_bytes: int = 2) -> tuple[float, bool]:
+    """(floor in µs, whether arithmetic rather than HBM bounds it)."""
+    bytes_moved = element_bytes * (m * site.k + site.k * site.n + m * site.n)
+    memory = bytes_moved / HBM_BYTES_PER_S
+    compute = 2.0 * m * site.k * site.n / BF16_FLOPS_PER_S
+    return 1e6 * max(memory, compute), compute > memory
+
+
+def rotation_count(site: Site, m: int, cache_bytes: int, element_bytes: int = 2, most: int = 128) -> int:
+    """Input sets needed so that one pass over them moves at least twice the L2's bytes."""
+    per_set = element_bytes * (m * site.k + site.k * site.n + 2 * m * site.n)
+    return max(2, min(most, math.ceil(2 * cache_bytes / per_set)))
+
+
+def make_sets(site: Site, m: int, count: int, device: torch.device, dtype: torch.dtype) -> list[InputSet]:
+    sets = []
+    for _ in range(count):
+        x = torch.randn(m, site.k, device=device, dtype=dtype)
+        w = (torch.randn(site.k, site.n, device=device, dtype=torch.float32) / math.sqrt(site.k)).to(dtype)
+        gain = (0.5 + torch.rand(site.k, device=device)) * torch.where(torch.rand(site.k, device=device) < 0.25, -1, 1)
+        outs = [torch.empty(m, size, device=device, dtype=dtype) for size in site.splits]
+        sets.append(InputSet(x, w, gain.to(dtype), torch.empty(m, site.n, device=device, dtype=dtype), outs))
+    return sets
+
+
+class GraphTimer:
+    """Median µs per call from CUDA-graph replays of one call on each input set in turn."""
+
+    def __init__(self, replays: int, warmup_replays: int = 3):
+        self.replays = replays
+        self.warmup_replays = warmup_replays
+
+    def __call__(self, call: SetCall, count: int) -> float:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # eager warm-up off the capture stream, as capture requires
+            for index in range(count):
+                call(index)
+        torch.cuda.current_stream().wait_stream(side)
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for index in range(count):
+                call(index)
+        for _ in range(self.warmup_replays):
+            graph.replay()
+        events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(self.replays)]
+        for start, end in events:
+            start.record()
+            graph.replay()
+            end.record()
+        torch.cuda.synchronize()
+        per_replay_ms = [start.elapsed_time(end) for start, end in events]
+        del graph
+        return 1e3 * statistics.median(per_replay_ms) / count
+
+
+class WallTimer:
+    """CPU smoke mode: wall clock around repeated passes (checks the script, times nothing real)."""
+
+    def __init__(self, replays: int):
+        self.replays = replays
+
+    def __call__(self, call: SetCall, count: int) -> float:
+        samples = []
+        for _ in range(self.replays):
+            started = time.perf_counter()
+            for index in range(count):
+                call(index)
+            samples.append(time.perf_counter() - started)
+        return 1e6 * statistics.median(samples) / count
+
+
+def torch_calls(site: Site, sets: list[InputSet], compiled: Callable) -> dict[str, SetCall]:
+    def gemm(i: int):
+        s = sets[i]
+        return torch.mm(s.x, s.w, out=s.y)
+
+    def rms_gemm(i: int):
+        s = sets[i]
+        return torch.mm(F.rms_norm(s.x, (site.k,), s.gain, EPS), s.w, out=s.y)
+
+    def compiled_call(i: int):
+        s = sets[i]
+        return compiled(s.x, s.gain, s.w, EPS)
+
+    return {"gemm": gemm, "rms+gemm": rms_gemm, "compile": compiled_call}
+
+
+def flashnorm_calls(site: Site, sets: list[InputSet], op: Callable) -> dict[str, SetCall]:
+    def bind(strategy: str) -> SetCall:
+        def call(i: int):
+            s = sets[i]
+            return op(s.x, s.w, EPS, site.splits, strategy, s.outs)
+
+        return call
+
+    return {strategy: bind(strategy) for strategy in STRATEGIES}
+
+
+def check_strategies(site: Site, m: int, op: Callable, device: torch.device, dtype: torch.dtype) -> dict[str, object]:
+    """Relative error of each strategy against the fp32 folded math; a string where it refuses."""
+    x = torch.randn(m, site.k, device=device, dtype=dtype)
+    gain = (0.5 + torch.rand(site.k, device=device)) * torch.where(torch.rand(site.k, device=device) < 0.25, -1, 1)
+    w = torch.randn(site.k, site.n, device=device) / math.sqrt(site.k)
+    folded = (gain[:, None] * w).to(dtype)
+    reference = reference_flashnorm(x, folded, EPS)
+    results: dict[str, object] = {}
+    for strategy in STRATEGIES:
+        outs = [torch.full((m, size), float("nan"), device=device, dtype=dtype) for size in site.splits]
+        try:
+            op(x, folded, EPS, site.splits, strategy, outs)
+        except Exception as error:  # the library refuses (e.g. fused beyond its M): no column
+            results[strategy] = f"refused: {error}"
+            continue
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        results[strategy] = relative_error(torch.cat(outs, dim=1), reference)
+    return results
+
+
+def measure_site(
+    site: Site,
+    token_counts: Sequence[int],
+    timer: Callable[[SetCall, int], float],
+    op: Callable,
+    resolve: Callable[[int, Site], str],
+    compile_fn: Callable,
+    device: torch.device,
+    dtype: torch.dtype,
+    cache_bytes: int,
+    fused_max_m: int,
+) -> list[dict]:
+    rows = []
+    compiled = compile_fn(unfused_norm_matmul)
+    for m in token_counts:
+        checks = check_strategies(site, m, op, device, dtype)
+        count = rotation_count(site, m, cache_bytes)
+        sets = make_sets(site, m, count, device, dtype)
+        calls = {**torch_calls(site, sets, compiled), **flashnorm_calls(site, sets, op)}
+        times: dict[str, float | None] = {}
+        errors: dict[str, str] = {}
+        compiled_check: float | None = None
+        try:  # compiles here, outside any capture
+            compiled_check = relative_error(
+                compiled(sets[0].x, sets[0].gain, sets[0].w, EPS),
+                unfused_norm_matmul(sets[0].x.double(), sets[0].gain.double(), sets[0].w.double(), EPS).float(),
+            )
+        except Exception as error:
+            checks["compile"] = f"refused: {type(error).__name__}: {error}"
+        for column in COLUMNS:
+            refused = column in checks and isinstance(checks[column], str)
+            skipped = column == "fused" and m > fused_max_m
+            times[column] = None
+            if refused or skipped:
+                continue
+            try:
+                times[column] = timer(calls[column], count)
+            except Exception as error:  # one column failing (e.g. in capture) must not lose the rest
+                errors[column] = f"{type(error).__name__}: {error}"
+                print(f"{site.label} M={m} {column}: {errors[column]}", flush=True)
+        gemm_again = timer(calls["gemm"], count)
+        floor, compute_bound = floor_us(site, m)
+        row = dict(
+            model=site.model,
+            site=site.name,
+            m=m,
+            k=site.k,
+            n=site.n,
+            splits=list(site.splits),
+            input_sets=count,
+            times_us=times,
+            gemm_repeat_us=gemm_again,
+            floor_us=floor,
+            compute_bound=compute_bound,
+            auto_resolves_to=resolve(m, site),
+            check_relative_error=checks,
+            compile_check_relative_error=compiled_check,
+            errors=errors,
+        )
+        row.update(ratios(times))
+        row["targets"] = targets(m, times)
+        rows.append(row)
+        del sets, calls
+        print(format_progress(row), flush=True)
+    return rows
+
+
+def ratios(times: dict[str, float | None]) -> dict[str, float | None]:
+    def ratio(a: float | None, b: float | None) -> float | None:
+        return None if a is None or b is None else a / b
+
+    auto = times["auto"]
+    return dict(
+        auto_over_gemm=ratio(auto, times["gemm"]),
+        rms_gemm_over_auto=ratio(times["rms+gemm"], auto),
+        auto_over_compile=ratio(auto, times["compile"]),
+    )
+
+
+def targets(m: int, times: dict[str, float | None]) -> dict[str, bool]:
+    """Issue 3's targets: decode (M ≤ 16) no slower than the GEMM alone and ≥ 1.30× faster than
+    F.rms_norm + cuBLAS; prefill (M ≥ 1024) no slower than F.rms_norm + cuBLAS."""
+    auto = times["auto"]
+    result = {}
+    if auto is None:
+        return result
+    if m <= 16:
+        result["auto<=gemm"] = auto <= times["gemm"]
+        result["rms+gemm>=1.30*auto"] = times["rms+gemm"] >= 1.30 * auto
+    if m >= 1024:
+        result["auto<=rms+gemm"] = auto <= times["rms+gemm"]
+    return result
+
+
+def _us(value: float | None) -> str:
+    return "—" if value is None else (f"{value:.1f}" if value >= 10 else f"{value:.2f}")
+
+
+def _x(value: float | None) -> str:
+    return "—" if value is None else f"{value:.2f}×"
+
+
+def format_progress(row: dict) -> str:
+    t = row["times_us"]
+    return (
+        f"{row['model']} {row['site']} M={row['m']}: "
+        + ", ".join(f"{name} {_us(t[name])}" for name in COLUMNS)
+        + f" µs (auto→{row['auto_resolves_to']}, sets {row['input_sets']})"
+    )
+
+
+def markdown_tables(rows: list[dict], sites: Sequence[Site]) -> str:
+    lines = []
+    for site in sites:
+        site_rows = [r for r in rows if r["model"] == site.model and r["site"] == site.name]
+        if not site_rows:
+            continue
+        lines += [
+            f"#### {site.label}: {site.describe()}",
+            "",
+            "| M | GEMM alone | F.rms_norm + GEMM | torch.compile | two_stream | fused | auto (picks) | floor "
+            "| auto / GEMM | (rms+GEMM) / auto | auto / compile | targets |",
+            "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|:---|",
+        ]
+        for r in site_rows:
+            t = r["times_us"]
+            floor = _us(r["floor_us"]) + (" (compute)" if r["compute_bound"] else "")
+            met = ", ".join(("✓ " if ok else "✗ ") + name for name, ok in r["targets"].items()) or ""
+            lines.append(
+                f"| {r['m']} | {_us(t['gemm'])} | {_us(t['rms+gemm'])} | {_us(t['compile'])} | "
+                f"{_us(t['two_stream'])} | {_us(t['fused'])} | {_us(t['auto'])} ({r['auto_resolves_to']}) | {floor} | "
+                f"{_x(r['auto_over_gemm'])} | {_x(r['rms_gemm_over_auto'])} | {_x(r['auto_over_compile'])} | {met} |"
+            )
+        lines.append("")
+    return "\n".join(lines)
+
+
+def crossover_lines(rows: list[dict], sites: Sequence[Site]) -> str:
+    """Per site: where fused beats two_stream, and whether auto picked the faster one."""
+    lines = ["| site | M where fused < two_stream | M where auto picked the slower strategy |", "|---|---|---|"]
+    for site in sites:
+        site_rows = [r for r in rows if r["model"] == site.model and r["site"] == site.name]
+        if not site_rows:
+            continue
+        fused_wins, wrong = [], []
+        for r in site_rows:
+            t = r["times_us"]
+            if t["fused"] is not None and t["two_stream"] is not None and t["fused"] < t["two_stream"]:
+                fused_wins.append(r["m"])
+            candidates = {s: t[s] for s in ("two_stream", "fused") if t[s] is not None}
+            if candidates:
+                best = min(candidates, key=candidates.get)
+                if r["auto_resolves_to"] != best:
+                    slower = candidates[r["auto_resolves_to"]] / candidates[best] if r["auto_resolves_to"] in candidates else math.nan
+                    wrong.append(f"{r['m']} ({r['auto_resolves_to']}, {slower:.2f}× the {best})")
+        lines.append(f"| {site.label} | {', '.join(map(str, fused_wins)) or 'none'} | {', '.join(wrong) or 'none'} |")
+    return "\n".join(lines)
+
+
+def summary_lines(rows: list[dict]) -> str:
+    decode = [r for r in rows if r["m"] <= 16]
+    prefill = [r for r in rows if r["m"] >= 1024]
+    missed = [f"{r['model']} {r['site']} M={r['m']}: {name}" for r in rows for name, ok in r["targets"].items() if not ok]
+    noise = [abs(r["gemm_repeat_us"] - r["times_us"]["gemm"]) / r["times_us"]["gemm"] for r in rows]
+    bad_checks = [
+        f"{r['model']} {r['site']} M={r['m']} {s}: {e:.2e}"
+        for r in rows
+        for s, e in r["check_relative_error"].items()
+        if not isinstance(e, str) and not e < CHECK_TOLERANCE
+    ]
+    out = [
+        f"- Targets: {sum(ok for r in decode for ok in r['targets'].values())}/"
+        f"{sum(len(r['targets']) for r in decode)} decode (M ≤ 16) and "
+        f"{sum(ok for r in prefill for ok in r['targets'].values())}/"
+        f"{sum(len(r['targets']) for r in prefill)} prefill (M ≥ 1024) checks met.",
+        f"- Missed: {'; '.join(missed) if missed else 'none'}.",
+        f"- Noise: the GEMM-alone column timed twice per row differs by median "
+        f"{100 * statistics.median(noise):.1f} %, at most {100 * max(noise):.1f} %.",
+        f"- Correctness (relative L2 error vs fp32, tolerance {CHECK_TOLERANCE:g}): "
+        + (f"FAILED {'; '.join(bad_checks)}." if bad_checks else "every strategy that ran passed."),
+    ]
+    return "\n".join(out)
+
+
+def environment(device: torch.device) -> dict[str, str]:
+    info = dict(
+        date_utc=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        torch=torch.__version__,
+        cuda=str(torch.version.cuda),
+        python=platform.python_version(),
+    )
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        info.update(gpu=props.name, multiprocessors=str(props.multi_processor_count), l2_bytes=str(props.L2_cache_size))
+        try:
+            info["driver"] = subprocess.run(
+                ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                capture_output=True, text=True, check=True, timeout=30,
+            ).stdout.strip()
+        except (OSError, subprocess.SubprocessError) as error:
+            info["driver"] = f"unknown ({error})"
+    else:
+        info.update(gpu="none (CPU smoke run)")
+    return info
+
+
+def _smoke_op(x, w, eps, splits, strategy, out):
+    y = reference_flashnorm(x, w, eps)
+    for target, part in zip(out, torch.split(y, list(splits), dim=-1)):
+        target.copy_(part)
+    return out
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "out")), help="folder for kernels.md/json")
+    parser.add_argument("--m", type=int, nargs="+", default=list(TOKEN_COUNTS), help="token counts M")
+    parser.add_argument("--sites", nargs="+", default=None, help="site labels to keep, e.g. 'SmolLM2-135M qkv'")
+    parser.add_argument("--replays", type=int, default=25, help="timed graph replays per measurement")
+    parser.add_argument("--fused-max-m", type=int, default=256, help="time the fused strategy only up to this M")
+    parser.add_argument("--smoke", action="store_true", help="CPU check of the script: tiny shapes, wall clock")
+    args = parser.parse_args(argv)
+
+    sites = [s for s in SITES if args.sites is None or s.label in args.sites]
+    if args.smoke:
+        device, dtype = torch.device("cpu"), torch.float32
+        sites = [Site(s.model, s.name, s.k // 8, tuple(n // 8 for n in s.splits)) for s in sites[:2]]
+        token_counts = [m for m in args.m if m <= 64]
+        timer, op, cache_bytes = WallTimer(3), _smoke_op, 1 << 20
+
+        def resolve(m: int, site: Site) -> str:
+            return "fused" if m <= 16 else "two_stream"
+
+        def compile_fn(fn):
+            return fn
+    else:
+        from flashnorm import kernels
+
+        device, dtype = torch.device("cuda"), torch.bfloat16
+        token_counts = args.m
+        timer = GraphTimer(args.replays)
+        cache_bytes = torch.cuda.get_device_properties(device).L2_cache_size
+        kernels.warm_up()
+
+        def op(x, w, eps, splits, strategy, out):
+            return kernels.flashnorm_matmul(x, w, eps, splits=splits, strategy=strategy, out=out)
+
+        def resolve(m: int, site: Site) -> str:
+            return kernels.resolve_strategy(m, site.k, site.n, dtype)
+
+        def compile_fn(fn):
+            # A fresh Dynamo cache per site, so no site's recompiles count against another's.
+            torch._dynamo.reset()
+            return torch.compile(fn)
+
+    env = environment(device)
+    if not args.smoke:
+        from flashnorm import kernels
+
+        env.update(library=str(kernels.library_path()), join_dropped=str(kernels.join_dropped()))
+    print(json.dumps(env), flush=True)
+
+    header = (
+        f"Measured {env['date_utc']} on {env['gpu']} (driver {env.get('driver', '—')}), torch {env['torch']}, "
+        f"CUDA {env['cuda']}; {str(dtype).removeprefix('torch.')}, eps {EPS:g}; median µs per call over "
+        f"{args.replays} CUDA-graph replays, each replay one call on each of ≥ 2 input sets rotated to cover "
+        f"2× L2 (W read from HBM); fused timed for M ≤ {args.fused_max_m}."
+    )
+    args.out.mkdir(parents=True, exist_ok=True)
+    rows: list[dict] = []
+    for site in sites:
+        rows += measure_site(
+            site, token_counts, timer, op, resolve, compile_fn, device, dtype, cache_bytes, args.fused_max_m
+        )
+        # Written after every site, so a run cut short still leaves its finished tables.
+        markdown = "\n\n".join(
+            [header, markdown_tables(rows, sites), "Two-stream vs fused, per site:", crossover_lines(rows, sites),
+             summary_lines(rows)]
+        )
+        (args.out / "kernels.md").write_text(markdown + "\n")
+        (args.out / "kernels.json").write_text(json.dumps(dict(environment=env, rows=rows), indent=1) + "\n")
+    print(markdown)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

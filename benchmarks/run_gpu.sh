@@ -1,0 +1,120 @@
+#!/usr/bin/env bash
+# Issue 3 on the GPU machine, in one call:
+#   1. build libflashnorm.so twice: normal (build/) and the race mutant without the two-stream
+#      join (build-mutant/, -DFLASHNORM_TESTING_DROP_JOIN=ON);
+#   2. the long-generation test on the normal build (expect: all pass);
+#   3. its race variant on the mutant (expect: it fails);
+#   4. the kernel benchmark (benchmarks/kernels.py) on the normal build.
+# Everything lands under $OUT (7 files; the device tool brings back at most 8):
+#   summary.txt  build.log  longgen.log  longgen-mutant.log  bench.log  kernels.md  kernels.json
+# Usage on the device: bash benchmarks/run_gpu.sh [--skip-bench] [--together] [--bench-args "..."]
+#   --together runs steps 2 and 3 at the same time (shorter lease; step 2's timings then
+#   include the mutant's share of the GPU).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-$PWD/out}
+mkdir -p "$OUT"
+export PYTHONPATH="$PWD/exporter${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+SUMMARY="$OUT/summary.txt"
+: >"$SUMMARY"
+say() { echo "$*" | tee -a "$SUMMARY"; }
+
+run_bench=1
+together=0
+bench_args=()
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --skip-bench) run_bench=0 ;;
+    --together) together=1 ;;
+    --bench-args) read -r -a bench_args <<<"$2"; shift ;;
+    *) echo "unknown argument $1" >&2; exit 2 ;;
+  esac
+  shift
+done
+
+{
+  date -u
+  nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu --format=csv
+  python3 -c "import torch, transformers; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'transformers', transformers.__version__)"
+  nvcc --version | tail -n 1
+} 2>&1 | tee -a "$SUMMARY"
+
+# 1. Both builds at once (the machine has 16 cores).
+started=$SECONDS
+configure() { cmake -S . -B "$1" -G Ninja -DFLASHNORM_BUILD_TESTS=OFF -DPython3_EXECUTABLE="$(command -v python3)" "${@:2}"; }
+(configure build && cmake --build build --target flashnorm) >"$OUT/build.log" 2>&1 &
+normal_pid=$!
+(configure build-mutant -DFLASHNORM_TESTING_DROP_JOIN=ON && cmake --build build-mutant --target flashnorm) \
+  >"$OUT/build-mutant.tmp" 2>&1 &
+mutant_pid=$!
+wait "$normal_pid"; normal_rc=$?
+wait "$mutant_pid"; mutant_rc=$?
+{ echo "===== mutant build (-DFLASHNORM_TESTING_DROP_JOIN=ON) ====="; cat "$OUT/build-mutant.tmp"; } >>"$OUT/build.log"
+rm -f "$OUT/build-mutant.tmp"
+say "build: normal rc=$normal_rc, mutant rc=$mutant_rc ($((SECONDS - started)) s)"
+if [ "$normal_rc" -ne 0 ]; then
+  tail -n 40 "$OUT/build.log"
+  exit 1
+fi
+
+pytest_run() {  # pytest_run LIBRARY LOG TIMEOUT [pytest args...]
+  local library=$1 log=$2 limit=$3
+  shift 3
+  FLASHNORM_LIBRARY="$library" timeout "$limit" python3 -m pytest tests/kernels/test_long_generation.py \
+    -p no:cacheprovider -rA "$@" >"$log" 2>&1
+}
+
+# The test's five 1024-token runs are bound by eager transformers' kernel launches (one CPU
+# core each): with pytest-xdist, one process per variant.
+parallel=()
+python3 -c "import xdist" 2>/dev/null && parallel=(-n 4)
+
+normal_test() {  # 2. Normal build: every variant must pass, none skipped.
+  local started=$SECONDS rc line verdict
+  pytest_run "$PWD/build/plugins/flashnorm/libflashnorm.so" "$OUT/longgen.log" "${TEST_TIMEOUT:-170}" ${parallel[@]+"${parallel[@]}"}
+  rc=$?
+  line=$(tail -n 1 "$OUT/longgen.log")
+  if [ $rc -eq 0 ] && ! grep -q skipped <<<"$line"; then verdict="PASS (as expected)"; else verdict="UNEXPECTED (rc=$rc)"; fi
+  echo "long generation, normal build${parallel[*]:+ (pytest ${parallel[*]})}: $verdict: $line ($((SECONDS - started)) s)"
+  grep -E "seed|reference:|original|side_delay=" "$OUT/longgen.log" | sort -u
+}
+
+mutant_test() {  # 3. Mutant build: the race variant must fail, by its assertions (not a crash or a skip).
+  local started=$SECONDS rc line verdict
+  if [ "$mutant_rc" -ne 0 ]; then
+    echo "long generation race variant, mutant build: NOT RUN (mutant build failed)"
+    return
+  fi
+  pytest_run "$PWD/build-mutant/plugins/flashnorm/libflashnorm.so" "$OUT/longgen-mutant.log" "${TEST_TIMEOUT:-170}" -k race
+  rc=$?
+  line=$(tail -n 1 "$OUT/longgen-mutant.log")
+  if [ $rc -eq 1 ] && grep -q "1 failed" <<<"$line" && grep -q "AssertionError" "$OUT/longgen-mutant.log"; then
+    verdict="FAIL (as expected: the race is caught)"
+  else
+    verdict="UNEXPECTED (rc=$rc)"
+  fi
+  echo "long generation race variant, mutant build: $verdict: $line ($((SECONDS - started)) s)"
+  grep -E "side_delay=|^E .*(step|greedy)" "$OUT/longgen-mutant.log" | sort -u | head -n 8
+}
+
+if [ "$together" -eq 1 ]; then
+  # Saves lease time; the normal run's timings then include the mutant process's GPU share.
+  normal_test >"$OUT/normal.tmp" 2>&1 &
+  mutant_test >"$OUT/mutant.tmp" 2>&1
+  wait
+  cat "$OUT/normal.tmp" "$OUT/mutant.tmp" | tee -a "$SUMMARY"
+  rm -f "$OUT/normal.tmp" "$OUT/mutant.tmp"
+else
+  normal_test | tee -a "$SUMMARY"
+  mutant_test | tee -a "$SUMMARY"
+fi
+
+# 4. The benchmark, on the normal build.
+if [ "$run_bench" -eq 1 ]; then
+  started=$SECONDS
+  FLASHNORM_LIBRARY="$PWD/build/plugins/flashnorm/libflashnorm.so" timeout "${BENCH_TIMEOUT:-150}" \
+    python3 benchmarks/kernels.py --out "$OUT" ${bench_args[@]+"${bench_args[@]}"} >"$OUT/bench.log" 2>&1
+  say "benchmark: rc=$? ($((SECONDS - started)) s)"
+  [ -f "$OUT/kernels.md" ] && tail -n 12 "$OUT/kernels.md"
+fi
+cat "$SUMMARY"

@@ -1,0 +1,397 @@
+"""Torch → ONNX for causal language models and small modules, with both torch exporters.
+
+The legacy TorchScript exporter (`dynamo=False`, opset 17 by default) spells RMSNorm as
+`Pow → ReduceMean → Add → Sqrt → Div → Mul`; the dynamo exporter (opset 23 by default) emits
+`RMSNormalization`. Both graphs take `input_ids`, `attention_mask` and `position_ids` with a
+dynamic batch and sequence and return `logits`; with a KV cache they also take
+`past_key_values.<i>.key/value` and return `present.<i>.key/value`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import os
+import sys
+import tempfile
+import time
+import warnings
+from pathlib import Path
+from typing import Any, Iterator, Mapping
+
+import numpy as np
+import onnx
+import onnx.numpy_helper
+
+from flashnorm.errors import FlashNormError
+from flashnorm.io import atomic_write
+from flashnorm.progress import Progress
+
+DEFAULT_OPSET = {False: 17, True: 23}
+"""Default opset per exporter (key: dynamo)."""
+
+INPUT_NAMES = ("input_ids", "attention_mask", "position_ids")
+LOGITS = "logits"
+# Above this size a model is written with its weights in `<file>.data` (protobuf stops at 2 GiB).
+_EXTERNAL_DATA_BYTES = int(1.8e9)
+# Example sizes for tracing: distinct from each other so that no axis is mistaken for another.
+_EXAMPLE_BATCH, _EXAMPLE_SEQUENCE, _EXAMPLE_PAST = 2, 5, 3
+
+
+def say(message: str) -> None:
+    """One progress line on stderr (silenced with the CLI's --quiet, like every Progress)."""
+    if Progress.enabled:
+        print(message, file=sys.stderr, flush=True)
+
+
+def past_names(layer: int) -> tuple[str, str]:
+    return f"past_key_values.{layer}.key", f"past_key_values.{layer}.value"
+
+
+def present_names(layer: int) -> tuple[str, str]:
+    return f"present.{layer}.key", f"present.{layer}.value"
+
+
+@dataclasses.dataclass(frozen=True)
+class KVLayout:
+    """Shape of each layer's cached keys and values: [batch, kv_heads, sequence, head_dim]."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+
+    @classmethod
+    def from_config(cls, config: Any) -> "KVLayout":
+        text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+        heads = text.num_attention_heads
+        kv_heads = getattr(text, "num_key_value_heads", None) or heads
+        head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
+        return cls(text.num_hidden_layers, kv_heads, head_dim)
+
+
+@dataclasses.dataclass(frozen=True)
+class ExportSpec:
+    """Names, example values and dynamic axes of one export."""
+
+    input_names: list[str]
+    output_names: list[str]
+    example_inputs: tuple[Any, ...]
+    dynamic_axes: dict[str, dict[int, str]]
+    varargs_from: int | None = None
+    """Index of the first input the module takes as `*args` (torch.export sees them as one
+    tuple), or None."""
+
+
+def causal_lm_spec(vocab_size: int, kv: KVLayout | None) -> ExportSpec:
+    """The signature of an exported causal LM, with example inputs for tracing."""
+    import torch
+
+    generator = torch.Generator().manual_seed(0)
+    batch, sequence = _EXAMPLE_BATCH, _EXAMPLE_SEQUENCE
+    past = _EXAMPLE_PAST if kv else 0
+    input_ids = torch.randint(0, vocab_size, (batch, sequence), generator=generator)
+    attention_mask = torch.ones(batch, past + sequence, dtype=torch.int64)
+    position_ids = torch.arange(past, past + sequence).expand(batch, sequence).contiguous()
+    inputs: list[Any] = [input_ids, attention_mask, position_ids]
+    names = list(INPUT_NAMES)
+    outputs = [LOGITS]
+    axes: dict[str, dict[int, str]] = {
+        "input_ids": {0: "batch", 1: "sequence"},
+        "attention_mask": {0: "batch", 1: "total_sequence" if kv else "sequence"},
+        "position_ids": {0: "batch", 1: "sequence"},
+        LOGITS: {0: "batch", 1: "sequence"},
+    }
+    if kv:
+        shape = (batch, kv.num_kv_heads, past, kv.head_dim)
+        for layer in range(kv.num_layers):
+            for name in past_names(layer):
+                inputs.append(torch.randn(shape, generator=generator))
+                names.append(name)
+                axes[name] = {0: "batch", 2: "past_sequence"}
+            for name in present_names(layer):
+                outputs.append(name)
+                axes[name] = {0: "batch", 2: "total_sequence"}
+    return ExportSpec(names, outputs, tuple(inputs), axes, varargs_from=len(INPUT_NAMES) if kv else None)
+
+
+@contextlib.contextmanager
+def _quiet_exporter() -> Iterator[None]:
+    # The exporters warn about every traced Python branch and about their own deprecation;
+    # none of it is actionable for a user of `flashnorm export`.
+    registration = logging.getLogger("torch.onnx._internal.exporter._registration")
+    level = registration.level
+    registration.setLevel(logging.ERROR)  # "torchvision is not installed": irrelevant here
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        registration.setLevel(level)
+
+
+def export_module(
+    module: Any,
+    output: str | os.PathLike[str],
+    spec: ExportSpec,
+    *,
+    dynamo: bool = False,
+    opset: int | None = None,
+) -> onnx.ModelProto:
+    """Export `module` called with `spec.example_inputs`; returns the ONNX model in memory
+    (with its weights) without writing `output` — `output` only names the temporary files."""
+    import torch
+
+    opset = opset or DEFAULT_OPSET[dynamo]
+    with tempfile.TemporaryDirectory(prefix=".flashnorm-export-", dir=Path(output).parent) as scratch:
+        path = Path(scratch) / Path(output).name
+        with _quiet_exporter(), torch.no_grad(), _exporter_errors(dynamo):
+            if dynamo:
+                program = torch.onnx.export(
+                    module, spec.example_inputs, dynamo=True, opset_version=opset,
+                    input_names=spec.input_names, output_names=spec.output_names,
+                    dynamic_shapes=_dynamic_shapes(spec), verbose=False,
+                )
+                program.save(str(path))
+            else:
+                torch.onnx.export(
+                    module, spec.example_inputs, str(path), dynamo=False, opset_version=opset,
+                    input_names=spec.input_names, output_names=spec.output_names,
+                    dynamic_axes=spec.dynamic_axes, do_constant_folding=True,
+                )
+        return onnx.load(str(path), load_external_data=True)
+
+
+@contextlib.contextmanager
+def _exporter_errors(dynamo: bool) -> Iterator[None]:
+    # A model the exporter cannot trace is not a FlashNorm bug: one line that names the
+    # exporter and the first line of its message (the full chain stays on the exception).
+    try:
+        yield
+    except (RuntimeError, TypeError, ValueError, NotImplementedError, AttributeError) as exc:
+        name = "dynamo" if dynamo else "legacy (TorchScript)"
+        first = next((line for line in str(exc).splitlines() if line.strip()), type(exc).__name__)
+        other = "without --dynamo" if dynamo else "with --dynamo"
+        raise FlashNormError(f"the {name} exporter failed: {first[:300]} (try {other})") from exc
+
+
+def _dynamic_shapes(spec: ExportSpec) -> tuple[dict[int, Any], ...]:
+    # Dim.DYNAMIC lets torch.export find the relations itself (attention_mask length =
+    # past + sequence); the axis names are applied to the ONNX graph afterwards.
+    import torch
+
+    dynamic = torch.export.Dim.DYNAMIC
+    shapes = [{axis: dynamic for axis in spec.dynamic_axes.get(name, {})} for name in spec.input_names]
+    if spec.varargs_from is None:
+        return tuple(shapes)
+    return (*shapes[:spec.varargs_from], tuple(shapes[spec.varargs_from:]))
+
+
+def name_dynamic_axes(model: onnx.ModelProto, axes: Mapping[str, Mapping[int, str]]) -> None:
+    """Give the graph's dynamic input/output axes the names in `axes` (dynamo names them s0, s1…)."""
+    for value in [*model.graph.input, *model.graph.output]:
+        for axis, name in axes.get(value.name, {}).items():
+            dim = value.type.tensor_type.shape.dim[axis]
+            if not dim.HasField("dim_value"):
+                dim.dim_param = name
+
+
+def strip_initializer_prefix(model: onnx.ModelProto, prefix: str) -> None:
+    """Rename initializers `prefix.X` to `X` so that reports name weights as the checkpoint
+    does (`model.layers.0.input_layernorm.weight`); skipped if that would collide."""
+    graph = model.graph
+    taken = {t.name for t in graph.initializer} | {v.name for v in graph.input}
+    taken |= {o for n in graph.node for o in n.output}
+    renames = {}
+    for tensor in graph.initializer:
+        if tensor.name.startswith(prefix):
+            new = tensor.name[len(prefix):]
+            if new in taken or new in renames.values():
+                return
+            renames[tensor.name] = new
+    _rename_values(model, renames)
+
+
+def _rename_values(model: onnx.ModelProto, renames: Mapping[str, str]) -> None:
+    graph = model.graph
+    for tensor in graph.initializer:
+        tensor.name = renames.get(tensor.name, tensor.name)
+    for value in [*graph.input, *graph.output, *graph.value_info]:
+        value.name = renames.get(value.name, value.name)
+    for node in graph.node:
+        for i, name in enumerate(node.input):
+            if name in renames:
+                node.input[i] = renames[name]
+
+
+def _embedding_table(graph: onnx.GraphProto) -> str | None:
+    """The initializer that `input_ids` index (the token embedding), if there is one."""
+    initializers = {t.name for t in graph.initializer}
+    return next(
+        (n.input[0] for n in graph.node
+         if n.op_type == "Gather" and len(n.input) == 2 and n.input[1] == "input_ids" and n.input[0] in initializers),
+        None,
+    )
+
+
+def retie_lm_head(model: onnx.ModelProto) -> str | None:
+    """Undo the legacy exporter's copy of a tied LM head.
+
+    The legacy exporter's constant folding turns `Transpose(embedding) → MatMul` into a
+    second, transposed initializer (for SmolLM2-135M: 113 MB more, and a model in which the
+    head no longer looks tied). The dynamo exporter's optimizer does the same to tables small
+    enough to fold (tiny test models; SmolLM2's 113 MB table stays a Transpose there). Where a
+    MatMul reads an initializer that is exactly the
+    transpose of the embedding table behind the `input_ids` Gather, the copy is replaced by
+    `Transpose(embedding)` again. Returns the embedding's name, or None where no such copy
+    exists (an untied model)."""
+    graph = model.graph
+    initializers = {t.name: t for t in graph.initializer}
+    embedding = _embedding_table(graph)
+    if embedding is None:
+        return None
+    table = initializers[embedding]
+    transposed_dims = tuple(reversed(table.dims))
+    candidates = [
+        n for n in graph.node
+        if n.op_type == "MatMul" and n.input[1] in initializers
+        and tuple(initializers[n.input[1]].dims) == transposed_dims
+        and initializers[n.input[1]].data_type == table.data_type
+    ]
+    if not candidates:
+        return None
+    transposed_table = onnx.numpy_helper.to_array(table).T
+    copies = [
+        n for n in candidates
+        if sum(name == n.input[1] for m in graph.node for name in m.input) == 1
+        and np.array_equal(onnx.numpy_helper.to_array(initializers[n.input[1]]), transposed_table)
+    ]
+    if len(copies) != 1:
+        return None
+    head_node = copies[0]
+    head = initializers[head_node.input[1]]
+    transposed = f"{embedding}.transposed"
+    index = list(graph.node).index(head_node)
+    graph.node.insert(index, onnx.helper.make_node("Transpose", [embedding], [transposed], perm=[1, 0], name="lm_head_transpose"))
+    head_node.input[1] = transposed
+    graph.initializer.remove(head)
+    return embedding
+
+
+def lm_head_shares_embedding(model: onnx.ModelProto) -> bool:
+    """Whether the initializer gathered by `input_ids` also feeds a MatMul or Gemm weight
+    (directly or through one Transpose): a tied LM head, as the graph sees it."""
+    graph = model.graph
+    embedding = _embedding_table(graph)
+    if embedding is None:
+        return False
+    transposes = {n.output[0] for n in graph.node if n.op_type == "Transpose" and n.input[0] == embedding}
+    return any(
+        n.op_type in ("MatMul", "Gemm") and (n.input[1] == embedding or n.input[1] in transposes) for n in graph.node
+    )
+
+
+def save_model(model: onnx.ModelProto, output: str | os.PathLike[str]) -> None:
+    """Write `model` atomically; weights go to `<file>.data` when the model is too large for
+    one protobuf."""
+    destination = Path(output)
+    if model.ByteSize() < _EXTERNAL_DATA_BYTES:
+        with atomic_write(destination) as handle:
+            handle.write(model.SerializeToString())
+        return
+    data_name = destination.name + ".data"
+    with tempfile.TemporaryDirectory(prefix=".flashnorm-save-", dir=destination.parent) as scratch:
+        onnx.save_model(model, str(Path(scratch) / destination.name), save_as_external_data=True,
+                        all_tensors_to_one_file=True, location=data_name, size_threshold=1024)
+        os.replace(Path(scratch) / data_name, destination.parent / data_name)  # data first
+        os.replace(Path(scratch) / destination.name, destination)
+
+
+def _tied_embeddings(model: Any) -> bool:
+    inputs, outputs = model.get_input_embeddings(), model.get_output_embeddings()
+    return inputs is not None and outputs is not None and inputs.weight is outputs.weight
+
+
+def export_causal_lm(
+    model: Any,
+    output: str | os.PathLike[str],
+    *,
+    dynamo: bool = False,
+    opset: int | None = None,
+    kv_cache: bool = False,
+    metadata: Mapping[str, str] | None = None,
+) -> dict[str, Any]:
+    """Export a loaded Hugging Face causal LM (fp32, eval mode) to `output`; returns the report."""
+    from flashnorm.export.wrappers import WRAPPED, KVCacheModel, LogitsModel
+
+    destination = Path(output)
+    directory = destination.parent if str(destination.parent) else Path(".")
+    if not directory.is_dir():
+        raise FlashNormError(f"cannot write {destination}: directory {directory} does not exist")
+    opset = opset or DEFAULT_OPSET[dynamo]
+    vocab = model.get_input_embeddings().weight.shape[0]
+    kv = KVLayout.from_config(model.config) if kv_cache else None
+    spec = causal_lm_spec(vocab, kv)
+    module = KVCacheModel(model, kv.num_layers) if kv else LogitsModel(model)
+    exporter = "dynamo" if dynamo else "legacy"
+
+    started = time.monotonic()
+    say(f"exporting ({exporter} exporter, opset {opset}{', KV cache' if kv_cache else ''})")
+    onnx_model = export_module(module, destination, spec, dynamo=dynamo, opset=opset)
+    export_seconds = time.monotonic() - started
+    strip_initializer_prefix(onnx_model, f"{WRAPPED}.")
+    name_dynamic_axes(onnx_model, spec.dynamic_axes)
+    tied = _tied_embeddings(model)
+    retied = retie_lm_head(onnx_model) if tied else None
+    properties = {
+        "flashnorm.exporter": exporter,
+        "flashnorm.kv_cache": str(bool(kv_cache)).lower(),
+        "flashnorm.tied_lm_head": str(tied).lower(),
+        **(metadata or {}),
+    }
+    onnx.helper.set_model_props(onnx_model, properties)
+    say(f"exported in {export_seconds:.1f} s; writing {destination}")
+    save_model(onnx_model, destination)
+    return {
+        "output": str(destination),
+        "exporter": exporter,
+        "opset": opset,
+        "inputs": spec.input_names,
+        "outputs": spec.output_names,
+        "kv_cache": bool(kv_cache),
+        "tied_lm_head": tied,
+        "lm_head_retied": retied is not None,
+        "lm_head_tied_in_onnx": lm_head_shares_embedding(onnx_model),
+        "parameters": sum(p.numel() for p in model.parameters()),
+        "export_seconds": round(export_seconds, 1),
+        "seconds": round(time.monotonic() - started, 1),
+    }
+
+
+def export_source(
+    source: Any,
+    output: str | os.PathLike[str],
+    *,
+    dynamo: bool = False,
+    opset: int | None = None,
+    kv_cache: bool = False,
+    model: Any = None,
+) -> dict[str, Any]:
+    """Load a ModelSource (HF directory or GGUF) and export it; the source is recorded in the
+    ONNX metadata so that `flashnorm compare --text` can find the tokenizer. `model`, if
+    given, is that source already loaded (several exports of one model load it once)."""
+    from flashnorm.export.sources import load_causal_lm
+
+    started = time.monotonic()
+    if model is None:
+        say(f"loading {source.describe()}")
+        model = load_causal_lm(source)
+    load_seconds = time.monotonic() - started
+    metadata = {"flashnorm.source_dir": str(source.directory)}
+    if source.gguf_file:
+        metadata["flashnorm.gguf_file"] = source.gguf_file
+    report = export_causal_lm(model, output, dynamo=dynamo, opset=opset, kv_cache=kv_cache, metadata=metadata)
+    report["source"] = source.describe()
+    report["load_seconds"] = round(load_seconds, 1)
+    report["seconds"] = round(time.monotonic() - started, 1)
+    return report

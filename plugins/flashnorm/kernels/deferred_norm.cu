@@ -1,0 +1,183 @@
+// The two halves of the deferred norm around a library GEMM (the two-stream strategy):
+// inv_rms (side stream) and the post-scale that also fans the product out to the split outputs.
+#include "device.cuh"
+
+namespace flashnorm
+{
+namespace
+{
+
+constexpr int kRmsRowsPerBlock = 8; // one warp per row
+constexpr int kPostScaleThreads = 256;
+constexpr int kPostScaleVec = 4;   // columns per thread
+constexpr int kMaxGridY = 65535;
+
+template <typename T>
+__global__ void __launch_bounds__(kRmsRowsPerBlock * 32)
+    inv_rms_kernel(T const* __restrict__ x, int64_t m, int64_t k, float eps, float* __restrict__ inv_rms,
+        int64_t delay_cycles)
+{
+    constexpr int kVec = 16 / sizeof(T);
+    int const lane = threadIdx.x & 31;
+    int64_t const row = int64_t(blockIdx.x) * kRmsRowsPerBlock + (threadIdx.x >> 5);
+    float sum = 0.f;
+    if (row < m)
+    {
+        T const* x_row = x + row * k;
+        bool const vectorized = (k % kVec == 0) && (reinterpret_cast<uintptr_t>(x) % 16 == 0);
+        if (vectorized)
+        {
+            for (int64_t i = lane; i < k / kVec; i += 32)
+            {
+                uint4 const packed = __ldg(reinterpret_cast<uint4 const*>(x_row) + i);
+                T const* elements = reinterpret_cast<T const*>(&packed);
+#pragma unroll
+                for (int j = 0; j < kVec; ++j)
+                {
+                    float const v = to_float(elements[j]);
+                    sum += v * v;
+                }
+            }
+        }
+        else
+        {
+            for (int64_t i = lane; i < k; i += 32)
+            {
+                float const v = to_float(x_row[i]);
+                sum += v * v;
+            }
+        }
+    }
+    sum = warp_sum(sum);
+    if (delay_cycles > 0)
+    {
+        // Test hook: hold the result back so that a post-scale not ordered after this kernel
+        // reads whatever the buffer held before.
+        long long const start = clock64();
+        while (clock64() - start < delay_cycles)
+        {
+        }
+    }
+    if (row < m && lane == 0)
+    {
+        inv_rms[row] = rsqrtf(sum / float(k) + eps);
+    }
+}
+
+template <typename T, int N>
+struct alignas(N * sizeof(T)) Packed
+{
+    T values[N];
+};
+
+// One thread scales kPostScaleVec consecutive columns of one row. `vectorized` (all split
+// widths and N multiples of kPostScaleVec, every pointer aligned) lets those columns move as
+// one access and never straddle two outputs.
+template <typename T, typename P>
+__global__ void __launch_bounds__(kPostScaleThreads)
+    post_scale_kernel(P const* __restrict__ product, float const* __restrict__ inv_rms, int64_t m, int64_t n,
+        OutputSplits splits, bool vectorized)
+{
+    int64_t const col = (int64_t(blockIdx.x) * kPostScaleThreads + threadIdx.x) * kPostScaleVec;
+    if (col >= n)
+    {
+        return;
+    }
+    for (int64_t row = blockIdx.y; row < m; row += gridDim.y)
+    {
+        float const scale = inv_rms[row];
+        P const* product_row = product + row * n;
+        if (vectorized)
+        {
+            auto const in = *reinterpret_cast<Packed<P, kPostScaleVec> const*>(product_row + col);
+            int const index = split_of(splits, col);
+            int64_t const width = splits.offsets[index + 1] - splits.offsets[index];
+            Packed<T, kPostScaleVec> out;
+#pragma unroll
+            for (int j = 0; j < kPostScaleVec; ++j)
+            {
+                out.values[j] = from_float<T>(to_float(in.values[j]) * scale);
+            }
+            *reinterpret_cast<Packed<T, kPostScaleVec>*>(
+                static_cast<T*>(splits.outputs[index]) + row * width + (col - splits.offsets[index]))
+                = out;
+        }
+        else
+        {
+            for (int64_t c = col; c < col + kPostScaleVec && c < n; ++c)
+            {
+                store_split<T>(splits, row, c, to_float(product_row[c]) * scale);
+            }
+        }
+    }
+}
+
+template <typename T>
+cudaError_t launch_inv_rms_typed(
+    void const* x, int64_t m, int64_t k, float eps, float* inv_rms, int64_t delay_cycles, cudaStream_t stream)
+{
+    dim3 const grid(static_cast<unsigned>((m + kRmsRowsPerBlock - 1) / kRmsRowsPerBlock));
+    inv_rms_kernel<T><<<grid, kRmsRowsPerBlock * 32, 0, stream>>>(
+        static_cast<T const*>(x), m, k, eps, inv_rms, delay_cycles);
+    return cudaGetLastError();
+}
+
+bool aligned(void const* pointer, size_t bytes)
+{
+    return reinterpret_cast<uintptr_t>(pointer) % bytes == 0;
+}
+
+template <typename T, typename P>
+cudaError_t launch_post_scale_typed(
+    void const* product, float const* inv_rms, int64_t m, int64_t n, OutputSplits const& splits, cudaStream_t stream)
+{
+    bool vectorized = n % kPostScaleVec == 0 && aligned(product, kPostScaleVec * sizeof(P));
+    for (int i = 0; i < splits.count; ++i)
+    {
+        int64_t const width = splits.offsets[i + 1] - splits.offsets[i];
+        vectorized = vectorized && width % kPostScaleVec == 0 && aligned(splits.outputs[i], kPostScaleVec * sizeof(T));
+    }
+    int64_t const columns_per_block = int64_t(kPostScaleThreads) * kPostScaleVec;
+    dim3 const grid(static_cast<unsigned>((n + columns_per_block - 1) / columns_per_block),
+        static_cast<unsigned>(m < kMaxGridY ? m : kMaxGridY));
+    post_scale_kernel<T, P><<<grid, kPostScaleThreads, 0, stream>>>(
+        static_cast<P const*>(product), inv_rms, m, n, splits, vectorized);
+    return cudaGetLastError();
+}
+
+} // namespace
+
+cudaError_t launch_inv_rms(flashnorm_dtype dtype, void const* x, int64_t m, int64_t k, float eps, float* inv_rms,
+    int64_t delay_cycles, cudaStream_t stream)
+{
+    switch (dtype)
+    {
+    case FLASHNORM_DTYPE_F32: return launch_inv_rms_typed<float>(x, m, k, eps, inv_rms, delay_cycles, stream);
+    case FLASHNORM_DTYPE_F16: return launch_inv_rms_typed<__half>(x, m, k, eps, inv_rms, delay_cycles, stream);
+    case FLASHNORM_DTYPE_BF16:
+        return launch_inv_rms_typed<__nv_bfloat16>(x, m, k, eps, inv_rms, delay_cycles, stream);
+    }
+    return cudaErrorInvalidValue;
+}
+
+cudaError_t launch_post_scale(flashnorm_dtype dtype, flashnorm_dtype product_type, void const* product,
+    float const* inv_rms, int64_t m, int64_t n, OutputSplits const& splits, cudaStream_t stream)
+{
+    if (product_type == FLASHNORM_DTYPE_F32)
+    {
+        switch (dtype)
+        {
+        case FLASHNORM_DTYPE_F32: return launch_post_scale_typed<float, float>(product, inv_rms, m, n, splits, stream);
+        case FLASHNORM_DTYPE_F16: return launch_post_scale_typed<__half, float>(product, inv_rms, m, n, splits, stream);
+        case FLASHNORM_DTYPE_BF16:
+            return launch_post_scale_typed<__nv_bfloat16, float>(product, inv_rms, m, n, splits, stream);
+        }
+    }
+    if (product_type == FLASHNORM_DTYPE_BF16 && dtype == FLASHNORM_DTYPE_BF16)
+    {
+        return launch_post_scale_typed<__nv_bfloat16, __nv_bfloat16>(product, inv_rms, m, n, splits, stream);
+    }
+    return cudaErrorInvalidValue;
+}
+
+} // namespace flashnorm

@@ -1,0 +1,75 @@
+// Device-side helpers shared by the kernels: element conversion, warp sums, output routing.
+#pragma once
+
+#include <cstdint>
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include "kernels.h"
+
+namespace flashnorm
+{
+
+__device__ __forceinline__ float to_float(float v)
+{
+    return v;
+}
+__device__ __forceinline__ float to_float(__half v)
+{
+    return __half2float(v);
+}
+__device__ __forceinline__ float to_float(__nv_bfloat16 v)
+{
+    return __bfloat162float(v);
+}
+
+template <typename T>
+__device__ __forceinline__ T from_float(float v);
+template <>
+__device__ __forceinline__ float from_float<float>(float v)
+{
+    return v;
+}
+template <>
+__device__ __forceinline__ __half from_float<__half>(float v)
+{
+    return __float2half_rn(v);
+}
+template <>
+__device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float v)
+{
+    return __float2bfloat16_rn(v);
+}
+
+__device__ __forceinline__ float warp_sum(float v)
+{
+#pragma unroll
+    for (int offset = 16; offset > 0; offset >>= 1)
+    {
+        v += __shfl_xor_sync(0xffffffffu, v, offset);
+    }
+    return v;
+}
+
+// Index of the output that receives global column `col` (splits are few: a linear scan).
+__device__ __forceinline__ int split_of(OutputSplits const& splits, int64_t col)
+{
+    int index = 0;
+    while (index + 1 < splits.count && col >= splits.offsets[index + 1])
+    {
+        ++index;
+    }
+    return index;
+}
+
+// Writes one scaled element of row `row`, global column `col` to the output that owns it.
+template <typename T>
+__device__ __forceinline__ void store_split(OutputSplits const& splits, int64_t row, int64_t col, float value)
+{
+    int const index = split_of(splits, col);
+    int64_t const width = splits.offsets[index + 1] - splits.offsets[index];
+    static_cast<T*>(splits.outputs[index])[row * width + (col - splits.offsets[index])] = from_float<T>(value);
+}
+
+} // namespace flashnorm

@@ -1,0 +1,62 @@
+// The FlashNorm kernels: the math, once. Each launcher enqueues on the stream it is given and
+// returns the launch's error; none allocates, creates or synchronizes anything.
+#pragma once
+
+#include <cstdint>
+
+#include <cuda_runtime_api.h>
+
+#include "flashnorm/flashnorm.h"
+
+namespace flashnorm
+{
+
+// Where each of the N output columns goes: output i receives columns [offsets[i], offsets[i+1]).
+struct OutputSplits
+{
+    void* outputs[FLASHNORM_MAX_OUTPUTS];
+    int64_t offsets[FLASHNORM_MAX_OUTPUTS + 1];
+    int32_t count;
+};
+
+// inv_rms[m] = rsqrt(mean(x[m, :]²) + eps) in fp32, for the two-stream strategy's side stream.
+// delay_cycles > 0 (tests only) makes every block spin that long before it writes.
+cudaError_t launch_inv_rms(flashnorm_dtype dtype, void const* x, int64_t m, int64_t k, float eps, float* inv_rms,
+    int64_t delay_cycles, cudaStream_t stream);
+
+// outputs[i][r, c] = product[r, offsets[i] + c] * inv_rms[r]. `product` is the GEMM result
+// [m, n] in `product_dtype` (see product_dtype()).
+cudaError_t launch_post_scale(flashnorm_dtype dtype, flashnorm_dtype product_dtype, void const* product,
+    float const* inv_rms, int64_t m, int64_t n, OutputSplits const& splits, cudaStream_t stream);
+
+// normalized[m, :] = x[m, :] * rsqrt(mean(x[m, :]²) + eps): fp32 math, stored in `dtype` (the
+// prenorm strategy's input to its library GEMMs). `normalized` is [m, k] row-major.
+cudaError_t launch_normalize_rows(
+    flashnorm_dtype dtype, void const* x, void* normalized, int64_t m, int64_t k, float eps, cudaStream_t stream);
+
+// The type the two-stream GEMM writes its unscaled product in. fp16 widens to fp32 because the
+// unnormalized product can exceed fp16's range (65504) even when the normalized result does not;
+// bf16 keeps its own type (fp32's range, half the bytes of the extra pass).
+inline flashnorm_dtype product_dtype(flashnorm_dtype dtype)
+{
+    return dtype == FLASHNORM_DTYPE_BF16 ? FLASHNORM_DTYPE_BF16 : FLASHNORM_DTYPE_F32;
+}
+
+// The fused decode kernel: one launch computes x·W*, sum(x²) and the scaled, split outputs.
+// `sm_count` (multiprocessors of the device) sizes the grid; `cluster_size` 0 picks the blocks per
+// column strip automatically, 1/2/4/8 forces it (tuning runs only).
+cudaError_t launch_fused(flashnorm_dtype dtype, void const* x, void const* w, int64_t m, int64_t k, int64_t n,
+    float eps, OutputSplits const& splits, int sm_count, int cluster_size, cudaStream_t stream);
+
+// Sets the fused kernels' launch attributes on the current device: once, before any launch there
+// (flashnorm_context_create does it, outside any capture).
+cudaError_t configure_fused_kernels();
+
+// Shapes the fused kernel runs on tensor cores (fp16/bf16, with W* 16-byte and x 4-byte aligned:
+// 16-byte rows of W*, pairs of k in x); others take its CUDA-core fallback.
+inline bool fused_tensor_core_shape(int64_t k, int64_t n)
+{
+    return n % 8 == 0 && k % 2 == 0;
+}
+
+} // namespace flashnorm

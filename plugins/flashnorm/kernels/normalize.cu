@@ -1,0 +1,176 @@
+// The prenorm strategy's first half: x̂ = x ⊙ rsqrt(mean(x²)+eps), fp32 math, stored in x's dtype.
+// The library GEMMs that follow read x̂ and write the outputs directly, so nothing passes over the
+// N-wide output a second time.
+#include "device.cuh"
+
+namespace flashnorm
+{
+namespace
+{
+
+constexpr int kNormalizeItems = 4;        // 16-byte vectors each thread keeps in registers
+constexpr int kNormalizeMaxThreads = 256; // one block per row
+constexpr int64_t kMaxGrid = int64_t(1) << 30;
+
+// One block per row (grid-stride). When the row fits in the block's registers (vectorized and
+// K ≤ kNormalizeItems·blockDim·vector width) every load is issued before the reduction and the
+// row is scaled from registers: x is read from HBM once and a block never waits on a second pass.
+template <typename T>
+__global__ void __launch_bounds__(kNormalizeMaxThreads)
+    normalize_rows_kernel(T const* __restrict__ x, T* __restrict__ normalized, int64_t m, int64_t k, float eps,
+        bool vectorized)
+{
+    constexpr int kVec = 16 / sizeof(T);
+    __shared__ float warp_sums[kNormalizeMaxThreads / 32];
+    int const warps = blockDim.x / 32;
+    int64_t const vectors = k / kVec;
+    bool const in_registers = vectorized && vectors <= int64_t(kNormalizeItems) * blockDim.x;
+    for (int64_t row = blockIdx.x; row < m; row += gridDim.x)
+    {
+        T const* x_row = x + row * k;
+        T* out_row = normalized + row * k;
+        uint4 cached[kNormalizeItems];
+        float sum = 0.f;
+        if (in_registers)
+        {
+#pragma unroll
+            for (int j = 0; j < kNormalizeItems; ++j)
+            {
+                int64_t const i = threadIdx.x + int64_t(j) * blockDim.x;
+                if (i < vectors)
+                {
+                    cached[j] = __ldg(reinterpret_cast<uint4 const*>(x_row) + i);
+                }
+            }
+#pragma unroll
+            for (int j = 0; j < kNormalizeItems; ++j)
+            {
+                int64_t const i = threadIdx.x + int64_t(j) * blockDim.x;
+                if (i < vectors)
+                {
+                    T const* elements = reinterpret_cast<T const*>(&cached[j]);
+#pragma unroll
+                    for (int e = 0; e < kVec; ++e)
+                    {
+                        float const v = to_float(elements[e]);
+                        sum += v * v;
+                    }
+                }
+            }
+        }
+        else if (vectorized)
+        {
+            for (int64_t i = threadIdx.x; i < vectors; i += blockDim.x)
+            {
+                uint4 const packed = __ldg(reinterpret_cast<uint4 const*>(x_row) + i);
+                T const* elements = reinterpret_cast<T const*>(&packed);
+#pragma unroll
+                for (int e = 0; e < kVec; ++e)
+                {
+                    float const v = to_float(elements[e]);
+                    sum += v * v;
+                }
+            }
+        }
+        else
+        {
+            for (int64_t i = threadIdx.x; i < k; i += blockDim.x)
+            {
+                float const v = to_float(x_row[i]);
+                sum += v * v;
+            }
+        }
+
+        sum = warp_sum(sum);
+        if ((threadIdx.x & 31) == 0)
+        {
+            warp_sums[threadIdx.x >> 5] = sum;
+        }
+        __syncthreads();
+        float total = 0.f;
+        for (int w = 0; w < warps; ++w)
+        {
+            total += warp_sums[w];
+        }
+        // Every thread has read warp_sums: the next row may overwrite it.
+        __syncthreads();
+        float const scale = rsqrtf(total / float(k) + eps);
+
+        if (in_registers)
+        {
+#pragma unroll
+            for (int j = 0; j < kNormalizeItems; ++j)
+            {
+                int64_t const i = threadIdx.x + int64_t(j) * blockDim.x;
+                if (i < vectors)
+                {
+                    T const* elements = reinterpret_cast<T const*>(&cached[j]);
+                    uint4 packed;
+                    T* scaled = reinterpret_cast<T*>(&packed);
+#pragma unroll
+                    for (int e = 0; e < kVec; ++e)
+                    {
+                        scaled[e] = from_float<T>(to_float(elements[e]) * scale);
+                    }
+                    reinterpret_cast<uint4*>(out_row)[i] = packed;
+                }
+            }
+        }
+        else if (vectorized)
+        {
+            for (int64_t i = threadIdx.x; i < vectors; i += blockDim.x)
+            {
+                uint4 const in = __ldg(reinterpret_cast<uint4 const*>(x_row) + i);
+                T const* elements = reinterpret_cast<T const*>(&in);
+                uint4 packed;
+                T* scaled = reinterpret_cast<T*>(&packed);
+#pragma unroll
+                for (int e = 0; e < kVec; ++e)
+                {
+                    scaled[e] = from_float<T>(to_float(elements[e]) * scale);
+                }
+                reinterpret_cast<uint4*>(out_row)[i] = packed;
+            }
+        }
+        else
+        {
+            for (int64_t i = threadIdx.x; i < k; i += blockDim.x)
+            {
+                out_row[i] = from_float<T>(to_float(x_row[i]) * scale);
+            }
+        }
+    }
+}
+
+template <typename T>
+cudaError_t launch_normalize_rows_typed(
+    void const* x, void* normalized, int64_t m, int64_t k, float eps, cudaStream_t stream)
+{
+    constexpr int kVec = 16 / sizeof(T);
+    bool const vectorized = k % kVec == 0 && reinterpret_cast<uintptr_t>(x) % 16 == 0
+        && reinterpret_cast<uintptr_t>(normalized) % 16 == 0;
+    // Just enough warps that each thread holds at most kNormalizeItems vectors of the row.
+    int64_t const vectors = (k + kVec - 1) / kVec;
+    int64_t const wanted = (vectors + kNormalizeItems - 1) / kNormalizeItems;
+    int const threads = static_cast<int>(wanted >= kNormalizeMaxThreads ? kNormalizeMaxThreads : (wanted + 31) / 32 * 32);
+    dim3 const grid(static_cast<unsigned>(m < kMaxGrid ? m : kMaxGrid));
+    normalize_rows_kernel<T><<<grid, threads, 0, stream>>>(
+        static_cast<T const*>(x), static_cast<T*>(normalized), m, k, eps, vectorized);
+    return cudaGetLastError();
+}
+
+} // namespace
+
+cudaError_t launch_normalize_rows(
+    flashnorm_dtype dtype, void const* x, void* normalized, int64_t m, int64_t k, float eps, cudaStream_t stream)
+{
+    switch (dtype)
+    {
+    case FLASHNORM_DTYPE_F32: return launch_normalize_rows_typed<float>(x, normalized, m, k, eps, stream);
+    case FLASHNORM_DTYPE_F16: return launch_normalize_rows_typed<__half>(x, normalized, m, k, eps, stream);
+    case FLASHNORM_DTYPE_BF16: return launch_normalize_rows_typed<__nv_bfloat16>(x, normalized, m, k, eps, stream);
+    }
+    return cudaErrorInvalidValue;
+}
+
+} // namespace flashnorm

@@ -1,0 +1,250 @@
+#include "runtime/context.h"
+
+#include <cstdlib>
+#include <functional>
+
+#include "runtime/check.h"
+
+namespace flashnorm
+{
+namespace
+{
+
+constexpr size_t kRegionAlignment = 256;
+
+size_t round_up(size_t bytes)
+{
+    return (bytes + kRegionAlignment - 1) / kRegionAlignment * kRegionAlignment;
+}
+
+size_t element_bytes(flashnorm_dtype dtype)
+{
+    return dtype == FLASHNORM_DTYPE_F32 ? 4 : 2;
+}
+
+cudaDataType_t cuda_type(flashnorm_dtype dtype)
+{
+    switch (dtype)
+    {
+    case FLASHNORM_DTYPE_F16: return CUDA_R_16F;
+    case FLASHNORM_DTYPE_BF16: return CUDA_R_16BF;
+    case FLASHNORM_DTYPE_F32: break;
+    }
+    return CUDA_R_32F;
+}
+
+// Largest power of two (at most 256) dividing the address: what cuBLASLt may assume.
+uint32_t alignment_of(void const* pointer)
+{
+    uintptr_t const address = reinterpret_cast<uintptr_t>(pointer);
+    uint32_t alignment = 256;
+    while (alignment > 1 && address % alignment != 0)
+    {
+        alignment >>= 1;
+    }
+    return alignment;
+}
+
+void destroy_plan(GemmPlan& plan)
+{
+    // Destruction cannot usefully fail; the status is not actionable here.
+    if (plan.preference)
+        cublasLtMatmulPreferenceDestroy(plan.preference);
+    if (plan.product_layout)
+        cublasLtMatrixLayoutDestroy(plan.product_layout);
+    if (plan.x_layout)
+        cublasLtMatrixLayoutDestroy(plan.x_layout);
+    if (plan.w_layout)
+        cublasLtMatrixLayoutDestroy(plan.w_layout);
+    if (plan.operation)
+        cublasLtMatmulDescDestroy(plan.operation);
+    plan = GemmPlan{};
+}
+
+// Row-major y[m,n] = x[m,k]·W[k,n] is, read column-major, yᵀ[n,m] = Wᵀ[n,k]·xᵀ[k,m]: W is
+// cuBLASLt's A (n×k, ld n), x its B (k×m, ld k), the product its D (n×m, ld n); no transposes.
+// fp32 uses CUBLAS_COMPUTE_32F, never the TF32 mode, so fp32 stays fp32 arithmetic.
+flashnorm_status make_plan(flashnorm_context* context, GemmKey const& key, GemmPlan& plan)
+{
+    cudaDataType_t const io_type = cuda_type(key.dtype);
+    cudaDataType_t const out_type = cuda_type(product_dtype(key.dtype));
+    uint64_t const m = static_cast<uint64_t>(key.m);
+    uint64_t const k = static_cast<uint64_t>(key.k);
+    uint64_t const n = static_cast<uint64_t>(key.n);
+    FLASHNORM_CHECK(context, cublasLtMatmulDescCreate(&plan.operation, CUBLAS_COMPUTE_32F, CUDA_R_32F));
+    FLASHNORM_CHECK(context, cublasLtMatrixLayoutCreate(&plan.w_layout, io_type, n, k, static_cast<int64_t>(n)));
+    FLASHNORM_CHECK(context, cublasLtMatrixLayoutCreate(&plan.x_layout, io_type, k, m, static_cast<int64_t>(k)));
+    FLASHNORM_CHECK(
+        context, cublasLtMatrixLayoutCreate(&plan.product_layout, out_type, n, m, static_cast<int64_t>(n)));
+    FLASHNORM_CHECK(context, cublasLtMatmulPreferenceCreate(&plan.preference));
+    size_t const workspace_limit = kGemmWorkspaceBytes;
+    FLASHNORM_CHECK(context,
+        cublasLtMatmulPreferenceSetAttribute(plan.preference, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
+            &workspace_limit, sizeof(workspace_limit)));
+    uint32_t const product_alignment = kRegionAlignment;
+    FLASHNORM_CHECK(context,
+        cublasLtMatmulPreferenceSetAttribute(plan.preference, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES,
+            &key.w_alignment, sizeof(key.w_alignment)));
+    FLASHNORM_CHECK(context,
+        cublasLtMatmulPreferenceSetAttribute(plan.preference, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES,
+            &key.x_alignment, sizeof(key.x_alignment)));
+    FLASHNORM_CHECK(context,
+        cublasLtMatmulPreferenceSetAttribute(plan.preference, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES,
+            &product_alignment, sizeof(product_alignment)));
+    FLASHNORM_CHECK(context,
+        cublasLtMatmulPreferenceSetAttribute(plan.preference, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES,
+            &product_alignment, sizeof(product_alignment)));
+    // Host-only query (no stream work), so a first call of a new shape inside a capture is fine.
+    cublasLtMatmulHeuristicResult_t result{};
+    int found = 0;
+    FLASHNORM_CHECK(context,
+        cublasLtMatmulAlgoGetHeuristic(context->cublas, plan.operation, plan.w_layout, plan.x_layout,
+            plan.product_layout, plan.product_layout, plan.preference, 1, &result, &found));
+    if (found == 0)
+    {
+        return record_error(context, FLASHNORM_STATUS_UNSUPPORTED, "cublasLtMatmulAlgoGetHeuristic",
+            "no cuBLASLt algorithm for this shape and alignment", __FILE__);
+    }
+    plan.algorithm = result.algo;
+    plan.workspace_bytes = result.workspaceSize;
+    return FLASHNORM_STATUS_OK;
+}
+
+flashnorm_status find_plan(flashnorm_context* context, GemmKey const& key, GemmPlan const** plan)
+{
+    auto const existing = context->plans.find(key);
+    if (existing != context->plans.end())
+    {
+        *plan = &existing->second;
+        return FLASHNORM_STATUS_OK;
+    }
+    GemmPlan fresh;
+    flashnorm_status const status = make_plan(context, key, fresh);
+    if (status != FLASHNORM_STATUS_OK)
+    {
+        destroy_plan(fresh);
+        return status;
+    }
+    *plan = &context->plans.emplace(key, fresh).first->second;
+    return FLASHNORM_STATUS_OK;
+}
+
+} // namespace
+
+flashnorm_status record_error(
+    flashnorm_context* context, flashnorm_status status, char const* what, char const* detail, char const* where)
+{
+    if (context != nullptr)
+    {
+        context->last_error = std::string(what) + ": " + detail + " (" + where + ")";
+    }
+    return status;
+}
+
+bool GemmKey::operator==(GemmKey const& other) const
+{
+    return m == other.m && k == other.k && n == other.n && dtype == other.dtype && x_alignment == other.x_alignment
+        && w_alignment == other.w_alignment;
+}
+
+size_t GemmKeyHash::operator()(GemmKey const& key) const
+{
+    size_t hash = std::hash<int64_t>()(key.m);
+    for (uint64_t part : {uint64_t(key.k), uint64_t(key.n), uint64_t(key.dtype), uint64_t(key.x_alignment),
+             uint64_t(key.w_alignment)})
+    {
+        hash = hash * 1000003u ^ std::hash<uint64_t>()(part);
+    }
+    return hash;
+}
+
+TwoStreamLayout two_stream_layout(int64_t m, int64_t n, flashnorm_dtype dtype)
+{
+    TwoStreamLayout layout{};
+    layout.product_offset = round_up(sizeof(float) * static_cast<size_t>(m));
+    layout.gemm_workspace_offset
+        = layout.product_offset + round_up(element_bytes(product_dtype(dtype)) * static_cast<size_t>(m * n));
+    layout.total = layout.gemm_workspace_offset + kGemmWorkspaceBytes;
+    return layout;
+}
+
+flashnorm_status create_context(flashnorm_context* context)
+{
+    FLASHNORM_CHECK(context, cudaGetDevice(&context->device));
+    FLASHNORM_CHECK(
+        context, cudaDeviceGetAttribute(&context->sm_count, cudaDevAttrMultiProcessorCount, context->device));
+    // Non-blocking: the side stream must not serialize with the legacy default stream.
+    FLASHNORM_CHECK(context, cudaStreamCreateWithFlags(&context->side_stream, cudaStreamNonBlocking));
+    FLASHNORM_CHECK(context, cudaEventCreateWithFlags(&context->fork, cudaEventDisableTiming));
+    FLASHNORM_CHECK(context, cudaEventCreateWithFlags(&context->join, cudaEventDisableTiming));
+    FLASHNORM_CHECK(context, cublasLtCreate(&context->cublas));
+    FLASHNORM_CHECK(context, configure_fused_kernels());
+    if (char const* forced = std::getenv("FLASHNORM_FUSED_CLUSTER_SIZE"))
+    {
+        int const size = std::atoi(forced);
+        context->fused_cluster_size = (size == 1 || size == 2 || size == 4 || size == 8) ? size : 0;
+    }
+    return FLASHNORM_STATUS_OK;
+}
+
+void destroy_context(flashnorm_context* context)
+{
+    for (auto& entry : context->plans)
+    {
+        destroy_plan(entry.second);
+    }
+    context->plans.clear();
+    // Teardown: statuses are not actionable; pending side-stream work completes on its own.
+    if (context->cublas)
+        cublasLtDestroy(context->cublas);
+    if (context->join)
+        cudaEventDestroy(context->join);
+    if (context->fork)
+        cudaEventDestroy(context->fork);
+    if (context->side_stream)
+        cudaStreamDestroy(context->side_stream);
+}
+
+flashnorm_status run_two_stream(flashnorm_context* context, flashnorm_problem const& problem, void const* x,
+    void const* w, OutputSplits const& splits, void* workspace, cudaStream_t stream)
+{
+    TwoStreamLayout const layout = two_stream_layout(problem.m, problem.n, problem.dtype);
+    char* const base = static_cast<char*>(workspace);
+    float* const inv_rms = reinterpret_cast<float*>(base);
+    void* const product = base + layout.product_offset;
+    void* const gemm_workspace = base + layout.gemm_workspace_offset;
+
+    GemmKey const key{problem.m, problem.k, problem.n, problem.dtype, alignment_of(x), alignment_of(w)};
+    GemmPlan const* plan = nullptr;
+    flashnorm_status const status = find_plan(context, key, &plan);
+    if (status != FLASHNORM_STATUS_OK)
+    {
+        return status;
+    }
+
+    // Fork: the side stream starts only after everything the caller enqueued before this call.
+    FLASHNORM_CHECK(context, cudaEventRecord(context->fork, stream));
+    FLASHNORM_CHECK(context, cudaStreamWaitEvent(context->side_stream, context->fork, 0));
+    FLASHNORM_CHECK(context,
+        launch_inv_rms(problem.dtype, x, problem.m, problem.k, problem.eps, inv_rms, context->side_delay_cycles,
+            context->side_stream));
+    FLASHNORM_CHECK(context, cudaEventRecord(context->join, context->side_stream));
+
+    float const alpha = 1.f;
+    float const beta = 0.f;
+    FLASHNORM_CHECK(context,
+        cublasLtMatmul(context->cublas, plan->operation, &alpha, w, plan->w_layout, x, plan->x_layout, &beta, product,
+            plan->product_layout, product, plan->product_layout, &plan->algorithm, gemm_workspace,
+            plan->workspace_bytes, stream));
+
+#ifndef FLASHNORM_TESTING_DROP_JOIN
+    // Join: the post-scale reads inv_rms, so the caller's stream waits for the side stream here.
+    FLASHNORM_CHECK(context, cudaStreamWaitEvent(stream, context->join, 0));
+#endif
+    FLASHNORM_CHECK(context,
+        launch_post_scale(
+            problem.dtype, product_dtype(problem.dtype), product, inv_rms, problem.m, problem.n, splits, stream));
+    return FLASHNORM_STATUS_OK;
+}
+
+} // namespace flashnorm

@@ -1,0 +1,105 @@
+// The per-execution-context state and the strategies built on a library GEMM (two-stream,
+// prenorm). Fork/join lives here and only here: everything a call needs is created once in
+// flashnorm_context_create, so a call allocates, creates and synchronizes nothing and can be
+// captured into a CUDA graph.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <unordered_map>
+
+#include <cublasLt.h>
+#include <cuda_runtime_api.h>
+
+#include "flashnorm/flashnorm.h"
+#include "kernels/kernels.h"
+
+namespace flashnorm
+{
+
+// Bytes of cuBLASLt workspace offered to the GEMM (32 MiB: what Hopper's larger kernels ask for).
+constexpr size_t kGemmWorkspaceBytes = size_t(32) << 20;
+
+// The two-stream workspace: [inv_rms: m floats][GEMM product: m×n][cuBLASLt workspace], each
+// region starting on a 256-byte boundary.
+struct TwoStreamLayout
+{
+    size_t product_offset;
+    size_t gemm_workspace_offset;
+    size_t total;
+};
+TwoStreamLayout two_stream_layout(int64_t m, int64_t n, flashnorm_dtype dtype);
+
+// The prenorm workspace: [x̂: m×k in the I/O dtype][cuBLASLt workspace], each region starting on
+// a 256-byte boundary.
+struct PrenormLayout
+{
+    size_t gemm_workspace_offset;
+    size_t total;
+};
+PrenormLayout prenorm_layout(int64_t m, int64_t k, flashnorm_dtype dtype);
+
+// A GEMM shape as cuBLASLt sees it: [m,k]·W[:, n columns] with W's rows w_ld elements apart (the
+// full N when prenorm reads one split's column slice), written in out_dtype. Pointer alignment is
+// part of the key because the heuristic may only pick kernels that the actual pointers satisfy.
+struct GemmKey
+{
+    int64_t m, k, n, w_ld;
+    flashnorm_dtype dtype, out_dtype;
+    uint32_t x_alignment, w_alignment, out_alignment;
+    bool operator==(GemmKey const& other) const;
+};
+
+struct GemmKeyHash
+{
+    size_t operator()(GemmKey const& key) const;
+};
+
+// Descriptors, layouts and the chosen algorithm for one GemmKey: made on its first call.
+struct GemmPlan
+{
+    cublasLtMatmulDesc_t operation = nullptr;
+    cublasLtMatrixLayout_t w_layout = nullptr;
+    cublasLtMatrixLayout_t x_layout = nullptr;
+    cublasLtMatrixLayout_t product_layout = nullptr; // D (and C, unread: beta = 0)
+    cublasLtMatmulPreference_t preference = nullptr;
+    cublasLtMatmulAlgo_t algorithm{};
+    size_t workspace_bytes = 0;
+};
+
+} // namespace flashnorm
+
+struct flashnorm_context
+{
+    int device = 0;
+    int sm_count = 0;
+    cudaStream_t side_stream = nullptr;
+    cudaEvent_t fork = nullptr;
+    cudaEvent_t join = nullptr;
+    cublasLtHandle_t cublas = nullptr;
+    std::unordered_map<flashnorm::GemmKey, flashnorm::GemmPlan, flashnorm::GemmKeyHash> plans;
+    int64_t side_delay_cycles = 0;
+    // Blocks per column strip of the fused kernel: 0 chooses per shape; 1, 2, 4 or 8 forces it.
+    // Read from FLASHNORM_FUSED_CLUSTER_SIZE at creation, for tuning runs only.
+    int fused_cluster_size = 0;
+    std::string last_error;
+};
+
+namespace flashnorm
+{
+
+flashnorm_status create_context(flashnorm_context* context);
+void destroy_context(flashnorm_context* context);
+
+// y = (x·W*) scaled per row, split: GEMM on `stream` ‖ inv_rms on the side stream, joined
+// before the post-scale reads either result.
+flashnorm_status run_two_stream(flashnorm_context* context, flashnorm_problem const& problem, void const* x,
+    void const* w, OutputSplits const& splits, void* workspace, cudaStream_t stream);
+
+// y = x̂·W*, split: x̂ = x ⊙ inv_rms into the workspace, then one cuBLASLt GEMM per split from the
+// column slice of W* straight into that split's output. All on `stream`: no fork, no join.
+flashnorm_status run_prenorm(flashnorm_context* context, flashnorm_problem const& problem, void const* x,
+    void const* w, OutputSplits const& splits, void* workspace, cudaStream_t stream);
+
+} // namespace flashnorm

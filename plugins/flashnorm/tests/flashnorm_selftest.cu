@@ -1,0 +1,227 @@
+// Runs every strategy of the C ABI on small problems (all dtypes, several splits, tails in K
+// and N, M above one row pass, a delayed side stream, a CUDA-graph capture) and compares each
+// output element with a float64 host reference. Small on purpose: it runs under compute-sanitizer.
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <random>
+#include <vector>
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include "flashnorm/flashnorm.h"
+
+namespace
+{
+
+int g_failures = 0;
+
+#define SELFTEST_CUDA(call)                                                                                     \
+    do                                                                                                          \
+    {                                                                                                           \
+        cudaError_t const selftest_error_ = (call);                                                             \
+        if (selftest_error_ != cudaSuccess)                                                                     \
+        {                                                                                                       \
+            std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #call, cudaGetErrorString(selftest_error_)); \
+            std::exit(2);                                                                                       \
+        }                                                                                                       \
+    } while (0)
+
+size_t element_bytes(flashnorm_dtype dtype)
+{
+    return dtype == FLASHNORM_DTYPE_F32 ? 4 : 2;
+}
+
+// Host-side encode/decode of one element of `dtype`, stored in a byte vector.
+void encode(flashnorm_dtype dtype, std::vector<uint8_t>& bytes, size_t index, float value)
+{
+    if (dtype == FLASHNORM_DTYPE_F32)
+        reinterpret_cast<float*>(bytes.data())[index] = value;
+    else if (dtype == FLASHNORM_DTYPE_F16)
+        reinterpret_cast<__half*>(bytes.data())[index] = __float2half_rn(value);
+    else
+        reinterpret_cast<__nv_bfloat16*>(bytes.data())[index] = __float2bfloat16_rn(value);
+}
+
+double decode(flashnorm_dtype dtype, std::vector<uint8_t> const& bytes, size_t index)
+{
+    if (dtype == FLASHNORM_DTYPE_F32)
+        return reinterpret_cast<float const*>(bytes.data())[index];
+    if (dtype == FLASHNORM_DTYPE_F16)
+        return __half2float(reinterpret_cast<__half const*>(bytes.data())[index]);
+    return __bfloat162float(reinterpret_cast<__nv_bfloat16 const*>(bytes.data())[index]);
+}
+
+double tolerance(flashnorm_dtype dtype)
+{
+    return dtype == FLASHNORM_DTYPE_F32 ? 1e-4 : (dtype == FLASHNORM_DTYPE_F16 ? 4e-3 : 2e-2);
+}
+
+char const* name(flashnorm_dtype dtype)
+{
+    return dtype == FLASHNORM_DTYPE_F32 ? "f32" : (dtype == FLASHNORM_DTYPE_F16 ? "f16" : "bf16");
+}
+
+struct Case
+{
+    flashnorm_dtype dtype;
+    flashnorm_strategy strategy;
+    int64_t m, k;
+    std::vector<int64_t> splits;
+    int64_t side_delay;
+    bool captured;
+};
+
+void run_case(flashnorm_context* context, std::mt19937& rng, Case const& c)
+{
+    flashnorm_problem problem{};
+    problem.m = c.m;
+    problem.k = c.k;
+    problem.num_outputs = static_cast<int32_t>(c.splits.size());
+    for (size_t i = 0; i < c.splits.size(); ++i)
+    {
+        problem.split_sizes[i] = c.splits[i];
+        problem.n += c.splits[i];
+    }
+    problem.dtype = c.dtype;
+    problem.eps = 1e-5f;
+    problem.strategy = c.strategy;
+    int64_t const m = c.m, k = c.k, n = problem.n;
+    size_t const bytes = element_bytes(c.dtype);
+
+    std::normal_distribution<float> normal(0.f, 1.f);
+    std::vector<uint8_t> x(m * k * bytes), w(k * n * bytes);
+    for (int64_t r = 0; r < m; ++r)
+    {
+        float const row_scale = std::pow(10.f, std::uniform_real_distribution<float>(-2.f, 1.f)(rng));
+        for (int64_t i = 0; i < k; ++i)
+            encode(c.dtype, x, r * k + i, normal(rng) * row_scale);
+    }
+    for (int64_t i = 0; i < k * n; ++i)
+        encode(c.dtype, w, i, normal(rng) / std::sqrt(float(k)));
+
+    void *x_device = nullptr, *w_device = nullptr, *workspace = nullptr;
+    std::vector<void*> outputs(c.splits.size());
+    SELFTEST_CUDA(cudaMalloc(&x_device, x.size()));
+    SELFTEST_CUDA(cudaMalloc(&w_device, w.size()));
+    SELFTEST_CUDA(cudaMemcpy(x_device, x.data(), x.size(), cudaMemcpyHostToDevice));
+    SELFTEST_CUDA(cudaMemcpy(w_device, w.data(), w.size(), cudaMemcpyHostToDevice));
+    for (size_t i = 0; i < c.splits.size(); ++i)
+    {
+        SELFTEST_CUDA(cudaMalloc(&outputs[i], m * c.splits[i] * bytes));
+        SELFTEST_CUDA(cudaMemset(outputs[i], 0xff, m * c.splits[i] * bytes)); // NaN in every dtype
+    }
+    size_t const workspace_bytes = flashnorm_workspace_size(&problem);
+    if (workspace_bytes > 0)
+        SELFTEST_CUDA(cudaMalloc(&workspace, workspace_bytes));
+
+    cudaStream_t stream = nullptr;
+    SELFTEST_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+    flashnorm_testing_set_side_delay(context, c.side_delay);
+    flashnorm_status status = FLASHNORM_STATUS_OK;
+    if (c.captured)
+    {
+        cudaGraph_t graph = nullptr;
+        cudaGraphExec_t exec = nullptr;
+        SELFTEST_CUDA(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+        status = flashnorm_matmul(context, &problem, x_device, w_device, outputs.data(), workspace, workspace_bytes,
+            stream);
+        SELFTEST_CUDA(cudaStreamEndCapture(stream, &graph));
+        SELFTEST_CUDA(cudaGraphInstantiate(&exec, graph, 0));
+        for (int replay = 0; replay < 3; ++replay)
+            SELFTEST_CUDA(cudaGraphLaunch(exec, stream));
+        SELFTEST_CUDA(cudaGraphExecDestroy(exec));
+        SELFTEST_CUDA(cudaGraphDestroy(graph));
+    }
+    else
+    {
+        status = flashnorm_matmul(context, &problem, x_device, w_device, outputs.data(), workspace, workspace_bytes,
+            stream);
+    }
+    SELFTEST_CUDA(cudaStreamSynchronize(stream));
+    flashnorm_testing_set_side_delay(context, 0);
+    if (status != FLASHNORM_STATUS_OK)
+    {
+        std::fprintf(stderr, "FAIL flashnorm_matmul: %s (%s)\n", flashnorm_status_string(status),
+            flashnorm_context_last_error(context));
+        ++g_failures;
+    }
+
+    double worst = 0.0;
+    int64_t column0 = 0;
+    for (size_t i = 0; i < c.splits.size(); ++i)
+    {
+        std::vector<uint8_t> y(m * c.splits[i] * bytes);
+        SELFTEST_CUDA(cudaMemcpy(y.data(), outputs[i], y.size(), cudaMemcpyDeviceToHost));
+        for (int64_t r = 0; r < m; ++r)
+        {
+            double ssq = 0.0;
+            for (int64_t j = 0; j < k; ++j)
+                ssq += decode(c.dtype, x, r * k + j) * decode(c.dtype, x, r * k + j);
+            double const scale = 1.0 / std::sqrt(ssq / double(k) + 1e-5);
+            for (int64_t col = 0; col < c.splits[i]; ++col)
+            {
+                double dot = 0.0, magnitude = 0.0;
+                for (int64_t j = 0; j < k; ++j)
+                {
+                    double const term = decode(c.dtype, x, r * k + j) * decode(c.dtype, w, j * n + column0 + col);
+                    dot += term;
+                    magnitude += std::fabs(term);
+                }
+                double const got = decode(c.dtype, y, r * c.splits[i] + col);
+                double const error = std::fabs(got - dot * scale) / ((magnitude + 1e-30) * scale);
+                worst = std::isnan(got) ? INFINITY : std::fmax(worst, error);
+            }
+        }
+        column0 += c.splits[i];
+        SELFTEST_CUDA(cudaFree(outputs[i]));
+    }
+    bool const ok = worst <= tolerance(c.dtype);
+    g_failures += ok ? 0 : 1;
+    std::printf("%s %-4s %-10s m=%-3lld k=%-4lld n=%-4lld outputs=%zu delay=%lld graph=%d worst=%.3g\n",
+        ok ? "ok  " : "FAIL", name(c.dtype), c.strategy == FLASHNORM_STRATEGY_FUSED ? "fused" : "two_stream",
+        (long long)m, (long long)k, (long long)n, c.splits.size(), (long long)c.side_delay, int(c.captured), worst);
+
+    SELFTEST_CUDA(cudaStreamDestroy(stream));
+    SELFTEST_CUDA(cudaFree(x_device));
+    SELFTEST_CUDA(cudaFree(w_device));
+    if (workspace)
+        SELFTEST_CUDA(cudaFree(workspace));
+}
+
+} // namespace
+
+int main()
+{
+    flashnorm_context* context = nullptr;
+    flashnorm_status const created = flashnorm_context_create(&context);
+    if (created != FLASHNORM_STATUS_OK)
+    {
+        std::fprintf(stderr, "flashnorm_context_create: %s\n", flashnorm_status_string(created));
+        return 2;
+    }
+    std::mt19937 rng(std::random_device{}());
+    auto const fused = FLASHNORM_STRATEGY_FUSED;
+    auto const two = FLASHNORM_STRATEGY_TWO_STREAM;
+    std::vector<Case> const cases = {
+        {FLASHNORM_DTYPE_F32, fused, 3, 100, {30, 41}, 0, false},
+        {FLASHNORM_DTYPE_F32, two, 3, 100, {30, 41}, 0, false},
+        {FLASHNORM_DTYPE_BF16, fused, 5, 96, {32, 16, 16}, 0, false},    // tensor-core kernel
+        {FLASHNORM_DTYPE_BF16, fused, 3, 520, {128, 128}, 0, false},     // a cluster of blocks splits K
+        {FLASHNORM_DTYPE_BF16, fused, 2, 2050, {4096, 8}, 0, false},     // the cp.async ring wraps, K tail
+        {FLASHNORM_DTYPE_BF16, two, 5, 96, {32, 16, 16}, 0, false},
+        {FLASHNORM_DTYPE_F16, fused, 19, 130, {24, 72}, 0, false},       // two row passes, K tail
+        {FLASHNORM_DTYPE_F16, fused, 9, 33, {7, 13}, 0, false},          // CUDA-core kernel, odd K and N
+        {FLASHNORM_DTYPE_BF16, two, 7, 64, {40, 24}, 200000, false},     // delayed side stream
+        {FLASHNORM_DTYPE_BF16, two, 4, 64, {48, 16}, 100000, true},      // captured two-stream
+        {FLASHNORM_DTYPE_F16, fused, 4, 64, {64}, 0, true},              // captured fused
+    };
+    for (Case const& c : cases)
+        run_case(context, rng, c);
+    flashnorm_context_destroy(context);
+    std::printf("%d passed, %d failed\n", int(cases.size()) - g_failures, g_failures);
+    return g_failures == 0 ? 0 : 1;
+}

@@ -1,0 +1,97 @@
+"""First timing of the strategies against cuBLAS at decode sizes (bf16), used to set AUTO's
+thresholds; the full benchmark is benchmarks/kernels.py. Median µs per call from CUDA-graph
+replays of 20 back-to-back calls (launch gaps removed, like the baselines in BRIEF.md)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+
+import torch
+import torch.nn.functional as F
+
+from flashnorm import kernels
+
+SHAPES = [(576, [576, 192, 192]), (576, [1536, 1536]), (2048, [3072]), (2048, [16384]), (4096, [6144]), (4096, [28672])]
+# The other dtypes on two shapes, to place AUTO's thresholds for them.
+OTHER_DTYPES = [(torch.float16, [1, 8, 16, 32]), (torch.float32, [1, 2, 4, 8, 16])]
+OTHER_SHAPES = [(2048, [3072]), (4096, [6144])]
+CALLS_PER_GRAPH = 20
+
+
+def time_us(function) -> float:
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            function()
+        stream.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream):
+            for _ in range(CALLS_PER_GRAPH):
+                function()
+        samples = []
+        for _ in range(15):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record(stream)
+            graph.replay()
+            end.record(stream)
+            end.synchronize()
+            samples.append(start.elapsed_time(end) * 1000.0 / CALLS_PER_GRAPH)
+    return statistics.median(samples)
+
+
+def fused_table(rows) -> None:
+    """The fused kernel alone (bf16), for comparing FLASHNORM_FUSED_CLUSTER_SIZE settings."""
+    setting = os.environ.get("FLASHNORM_FUSED_CLUSTER_SIZE", "auto")
+    for k, splits in SHAPES:
+        n = sum(splits)
+        w = (torch.randn(k, n, device="cuda") / k**0.5).bfloat16()
+        cells = []
+        for m in rows:
+            x = torch.randn(m, k, device="cuda").bfloat16()
+            outs = [torch.empty(m, width, device="cuda", dtype=torch.bfloat16) for width in splits]
+            cells.append(f"{time_us(lambda: kernels.flashnorm_matmul(x, w, 1e-5, splits, 'fused', outs)):7.1f}")
+        print(f"cluster={setting:>4} {f'{k}×{n}':>12} fused µs at M={rows}: {' '.join(cells)}", flush=True)
+
+
+def table(dtype: torch.dtype, shapes, rows) -> None:
+    eps = 1e-5
+    size = torch.finfo(dtype).bits // 8
+    print(f"{str(dtype):>15} {'M×K×N':>18} {'floor':>6} {'cuBLAS':>7} {'rms+GEMM':>8} {'fused':>7} {'2stream':>7} {'auto':>7} {'auto/GEMM':>9} {'rms+GEMM/auto':>13}")
+    for k, splits in shapes:
+        n = sum(splits)
+        w = (torch.randn(k, n, device="cuda") / k**0.5).to(dtype)
+        for m in rows:
+            x = torch.randn(m, k, device="cuda").to(dtype)
+            outs = [torch.empty(m, width, device="cuda", dtype=dtype) for width in splits]
+            gemm = time_us(lambda: torch.matmul(x, w))
+            baseline = time_us(lambda: torch.matmul(F.rms_norm(x, (k,), eps=eps), w))
+            fused = time_us(lambda: kernels.flashnorm_matmul(x, w, eps, splits, "fused", outs))
+            two = time_us(lambda: kernels.flashnorm_matmul(x, w, eps, splits, "two_stream", outs))
+            auto = time_us(lambda: kernels.flashnorm_matmul(x, w, eps, splits, "auto", outs))
+            floor = (k * n + m * k + m * n) * size / 4.3e12 * 1e6
+            print(
+                f"{'':>15} {f'{m}×{k}×{n}':>18} {floor:6.1f} {gemm:7.1f} {baseline:8.1f} {fused:7.1f} {two:7.1f} {auto:7.1f}"
+                f" {auto / gemm:9.2f} {baseline / auto:13.2f}",
+                flush=True,
+            )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("rows", nargs="*", type=int, default=[1, 4, 8, 16, 32, 64])
+    parser.add_argument("--fused-only", action="store_true", help="only the fused kernel, bf16")
+    args = parser.parse_args()
+    kernels.warm_up()
+    if args.fused_only:
+        fused_table(args.rows)
+        return
+    table(torch.bfloat16, SHAPES, args.rows)
+    for dtype, rows in OTHER_DTYPES:
+        table(dtype, OTHER_SHAPES, rows)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,57 @@
+#!/usr/bin/env bash
+# Everything the kernel library needs a GPU for, in one device call: build (normal and the
+# join-dropping mutant), the C++ self-test plain and under compute-sanitizer (memcheck, racecheck,
+# synccheck), the GPU pytest files (normal build must pass; the race test against the mutant
+# must FAIL), and a first timing. Logs go to $OUT (or ./out). Usage: run_gpu.sh [timing rows...]
+set -uo pipefail
+cd "$(dirname "$0")/../../.."
+OUT="${OUT:-out}"
+LOGS="$OUT/logs"
+mkdir -p "$LOGS"
+export PYTHONPATH="$PWD/exporter${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+summary="$OUT/summary.txt"
+: > "$summary"
+note() { echo "$*" | tee -a "$summary"; }
+
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader | tee -a "$summary"
+python3 -c "import torch; print('torch', torch.__version__, torch.version.cuda)" | tee -a "$summary"
+
+step() { # name, command...: runs, logs to $OUT/<name>.log, records the exit code
+    local name="$1"; shift
+    local start=$SECONDS
+    "$@" > "$LOGS/$name.log" 2>&1
+    local rc=$?
+    note "[$name] rc=$rc ($((SECONDS - start)) s)"
+    return $rc
+}
+
+step build cmake -S . -B build -G Ninja -DCMAKE_BUILD_TYPE=Release -DPython3_EXECUTABLE="$(command -v python3)" \
+    && step build2 cmake --build build --target flashnorm flashnorm_selftest --parallel 16 || { tail -50 "$LOGS"/build*.log; exit 1; }
+step build_mutant bash -c "cmake -S . -B build-mutant -G Ninja -DPython3_EXECUTABLE=$(command -v python3) -DFLASHNORM_TESTING_DROP_JOIN=ON -DFLASHNORM_BUILD_TESTS=OFF \
+    && cmake --build build-mutant --target flashnorm --parallel 16"
+
+selftest=build/plugins/flashnorm/tests/flashnorm_selftest
+step selftest "$selftest"; tail -2 "$LOGS/selftest.log" | tee -a "$summary"
+for tool in memcheck racecheck synccheck; do
+    step "sanitizer_$tool" compute-sanitizer --tool "$tool" --error-exitcode 3 "$selftest"
+    grep -E "ERROR SUMMARY|RACECHECK SUMMARY|passed, " "$LOGS/sanitizer_$tool.log" | tee -a "$summary"
+done
+
+step pytest_normal python3 -m pytest -q -p no:cacheprovider tests/kernels/test_correctness.py \
+    tests/kernels/test_race.py tests/kernels/test_cuda_graph.py
+tail -3 "$LOGS/pytest_normal.log" | tee -a "$summary"
+
+step pytest_mutant_race env FLASHNORM_LIBRARY="$PWD/build-mutant/plugins/flashnorm/libflashnorm.so" python3 -m pytest -q -p no:cacheprovider tests/kernels/test_race.py
+note "(mutant build: the race test is expected to FAIL)"
+grep -E "calls wrong|passed|failed" "$LOGS/pytest_mutant_race.log" | tail -4 | tee -a "$summary"
+
+step timing python3 plugins/flashnorm/tests/quick_timing.py "$@"
+cp "$LOGS/timing.log" "$OUT/timing.txt"
+for size in 1 2 4 8; do # the fused kernel's blocks per column strip, forced (tuning the automatic choice)
+    FLASHNORM_FUSED_CLUSTER_SIZE=$size python3 plugins/flashnorm/tests/quick_timing.py --fused-only 1 16 \
+        >> "$OUT/timing.txt" 2>&1
+done
+tar czf "$OUT/logs.tgz" -C "$OUT" logs && rm -rf "$LOGS"   # few files come back from the device
+cat "$OUT/timing.txt"
+echo "---- summary"
+cat "$summary"

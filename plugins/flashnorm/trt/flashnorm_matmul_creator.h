@@ -1,0 +1,39 @@
+/*
+ * The creator TensorRT's ONNX parser and engine deserializer use to make FlashNormMatMul.
+ *
+ * Fields (as the parser passes ONNX attributes): eps FLOAT32 (required), splits INT32 array
+ * (required; INTS arrive as int32), strategy INT32 (optional, default 0 = auto).
+ */
+#ifndef FLASHNORM_TRT_FLASHNORM_MATMUL_CREATOR_H
+#define FLASHNORM_TRT_FLASHNORM_MATMUL_CREATOR_H
+
+#include <NvInferRuntime.h>
+
+#include <vector>
+
+namespace flashnorm
+{
+namespace trt
+{
+
+class FlashNormMatMulCreator final : public nvinfer1::IPluginCreatorV3One
+{
+public:
+    FlashNormMatMulCreator();
+
+    nvinfer1::IPluginV3* createPlugin(char const* name, nvinfer1::PluginFieldCollection const* fc,
+        nvinfer1::TensorRTPhase phase) noexcept override;
+    nvinfer1::PluginFieldCollection const* getFieldNames() noexcept override;
+    char const* getPluginName() const noexcept override;
+    char const* getPluginVersion() const noexcept override;
+    char const* getPluginNamespace() const noexcept override;
+
+private:
+    std::vector<nvinfer1::PluginField> mFields;
+    nvinfer1::PluginFieldCollection mFieldCollection{};
+};
+
+} // namespace trt
+} // namespace flashnorm
+
+#endif // FLASHNORM_TRT_FLASHNORM_MATMUL_CREATOR_H

@@ -1,0 +1,104 @@
+/*
+ * FlashNormMatMul: TensorRT IPluginV3 front end of the FlashNorm kernel library.
+ *
+ *   inputs : x [..., K], W* [K, N]          (one dtype: fp32, fp16 or bf16)
+ *   outputs: y_i [..., N_i], sum(N_i) = N    y = (x · W*) ⊙ rsqrt(mean(x²) + eps), split by columns
+ *
+ * The plugin only translates TensorRT descriptors into a flashnorm_problem and calls
+ * flashnorm_matmul (flashnorm/flashnorm.h); the math, the streams and the cuBLASLt handle
+ * live in the kernel library's context, one per attached clone (one per execution context).
+ */
+#ifndef FLASHNORM_TRT_FLASHNORM_MATMUL_PLUGIN_H
+#define FLASHNORM_TRT_FLASHNORM_MATMUL_PLUGIN_H
+
+#include <NvInferRuntime.h>
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "flashnorm/flashnorm.h"
+
+namespace flashnorm
+{
+namespace trt
+{
+
+constexpr char const* kPluginName = "FlashNormMatMul";
+constexpr char const* kPluginVersion = "1";
+constexpr char const* kPluginNamespace = "flashnorm";
+
+/* The plugin's attributes: what the ONNX node carries and what an engine serializes. */
+struct MatMulAttributes
+{
+    float eps{0.0F};
+    std::vector<int32_t> splits;
+    int32_t strategy{FLASHNORM_STRATEGY_AUTO};
+};
+
+class FlashNormMatMulPlugin final : public nvinfer1::IPluginV3,
+                                    public nvinfer1::IPluginV3OneCore,
+                                    public nvinfer1::IPluginV3OneBuild,
+                                    public nvinfer1::IPluginV3OneRuntime
+{
+public:
+    FlashNormMatMulPlugin(std::string name, MatMulAttributes attributes);
+    ~FlashNormMatMulPlugin() override;
+
+    FlashNormMatMulPlugin(FlashNormMatMulPlugin const&) = delete;
+    FlashNormMatMulPlugin& operator=(FlashNormMatMulPlugin const&) = delete;
+
+    /* IPluginV3 */
+    nvinfer1::IPluginCapability* getCapabilityInterface(nvinfer1::PluginCapabilityType type) noexcept override;
+    nvinfer1::IPluginV3* clone() noexcept override;
+
+    /* IPluginV3OneCore */
+    char const* getPluginName() const noexcept override;
+    char const* getPluginVersion() const noexcept override;
+    char const* getPluginNamespace() const noexcept override;
+
+    /* IPluginV3OneBuild */
+    int32_t getNbOutputs() const noexcept override;
+    int32_t getOutputDataTypes(nvinfer1::DataType* outputTypes, int32_t nbOutputs,
+        nvinfer1::DataType const* inputTypes, int32_t nbInputs) const noexcept override;
+    int32_t getOutputShapes(nvinfer1::DimsExprs const* inputs, int32_t nbInputs,
+        nvinfer1::DimsExprs const* shapeInputs, int32_t nbShapeInputs, nvinfer1::DimsExprs* outputs,
+        int32_t nbOutputs, nvinfer1::IExprBuilder& exprBuilder) noexcept override;
+    bool supportsFormatCombination(int32_t pos, nvinfer1::DynamicPluginTensorDesc const* inOut, int32_t nbInputs,
+        int32_t nbOutputs) noexcept override;
+    int32_t configurePlugin(nvinfer1::DynamicPluginTensorDesc const* in, int32_t nbInputs,
+        nvinfer1::DynamicPluginTensorDesc const* out, int32_t nbOutputs) noexcept override;
+    size_t getWorkspaceSize(nvinfer1::DynamicPluginTensorDesc const* inputs, int32_t nbInputs,
+        nvinfer1::DynamicPluginTensorDesc const* outputs, int32_t nbOutputs) const noexcept override;
+
+    /* IPluginV3OneRuntime */
+    int32_t onShapeChange(nvinfer1::PluginTensorDesc const* in, int32_t nbInputs,
+        nvinfer1::PluginTensorDesc const* out, int32_t nbOutputs) noexcept override;
+    int32_t enqueue(nvinfer1::PluginTensorDesc const* inputDesc, nvinfer1::PluginTensorDesc const* outputDesc,
+        void const* const* inputs, void* const* outputs, void* workspace, cudaStream_t stream) noexcept override;
+    nvinfer1::IPluginV3* attachToContext(nvinfer1::IPluginResourceContext* context) noexcept override;
+    nvinfer1::PluginFieldCollection const* getFieldsToSerialize() noexcept override;
+
+private:
+    /* The problem for an x of `xDims` (rows = product of all but the last dimension). */
+    bool describeProblem(nvinfer1::Dims const& xDims, nvinfer1::DataType type, flashnorm_problem& problem) const;
+    /* Creates the kernel-library context on first use outside a capture (build-phase timing). */
+    bool ensureContext(cudaStream_t stream);
+
+    std::string mName;
+    MatMulAttributes mAttributes;
+    int64_t mTotalColumns{0};
+
+    flashnorm_context* mContext{nullptr};
+
+    std::vector<nvinfer1::PluginField> mSerializedFields;
+    nvinfer1::PluginFieldCollection mSerializedCollection{};
+};
+
+/* Checks attributes for everything the kernel library would refuse; on failure writes why. */
+bool validateAttributes(MatMulAttributes const& attributes, std::string& why);
+
+} // namespace trt
+} // namespace flashnorm
+
+#endif // FLASHNORM_TRT_FLASHNORM_MATMUL_PLUGIN_H

@@ -1,0 +1,201 @@
+"""Long generation through the FlashNorm kernels: the one-step-lag race has nowhere to hide.
+
+The seed talk's bug: the two-stream path joined its side stream implicitly, so the post-scale
+sometimes read the RMS buffer before the side stream had written it. Unit tests and
+perplexity passed; long generations repeated words with a one-step lag. These tests run what
+caught it: a SmolLM2-135M-architecture Llama (seeded random weights, random signed norm
+gains; real weights cannot reach the GPU machine) generating 1024 tokens with a KV cache,
+every norm→projection site replaced by `flashnorm.kernels.flashnorm_matmul` on the folded
+weight, compared step by step with transformers' own model on the same tokens.
+
+Schedule: a 32-token prefill (the multi-row path), then single-token decode steps (M = 1);
+tokens 0…511 are random, tokens 512…1023 the fp32 reference's greedy choices.
+
+Checks per variant:
+- fp32: every step's logits within 1e-4 relative (L2) of the reference's;
+- bf16: every step within twice the worst drift of the bf16 original from the fp32 model
+  (`flashnorm_llama.bf16_error_budget`), both against the bf16 original and against the fp32
+  model: FlashNorm must not be less accurate than the model it replaces;
+- no step matches the reference's previous step at least as well as its own (the lag
+  signature), among the steps where the reference moved by more than the tolerance (a
+  repeated greedy token can leave two steps closer than bf16 rounding);
+- fp32: the FlashNorm model's greedy choice equals the reference's at all 512 greedy steps,
+  so its own greedy continuation is identical for 512 tokens.
+
+The `race` variant forces the two-stream strategy and delays the side stream's reduction
+(`set_side_delay`), so that a missing join reads a stale buffer on every call; it passes on a
+normal build and must fail on the mutation build (`-DFLASHNORM_TESTING_DROP_JOIN=ON`,
+benchmarks/run_gpu.sh checks both).
+
+Runtime: five 1024-token runs (fp32 and bf16 reference, three FlashNorm variants), each
+18-32 s on the H200 machine (eager transformers at batch 1: 20-30 ms a step).
+benchmarks/run_gpu.sh runs the variants in parallel (pytest -n 4): 120 s measured, with the
+mutant run sharing the GPU (docs/BENCHMARKS.md, "Long generation").
+
+The CPU test checks the harness itself: the same math in PyTorch passes, and a simulated
+missing join (each site scaled by the RMS its previous call computed) is caught.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from collections.abc import Sequence
+
+import numpy as np
+import pytest
+import torch
+
+import flashnorm_llama as fl
+
+FP32_TOLERANCE = 1e-4
+BF16_DRIFT_FACTOR = 2.0
+SCHEDULE = fl.Schedule(total=1024, prefill=32, greedy_start=512)
+# ~50 µs at the H200's 1.98 GHz: far longer than an M=1 GEMM plus post-scale, so without a
+# join the post-scale always runs before the reduction has written.
+RACE_SIDE_DELAY_CYCLES = 100_000
+
+
+def _failures(comparison: fl.Comparison, tolerance: float, require_greedy: bool) -> list[str]:
+    problems = []
+    if not comparison.max_error < tolerance:
+        problems.append(
+            f"step {comparison.worst_step}: relative logit error {comparison.max_error:.3e} >= {tolerance:.3e}"
+        )
+    if comparison.lagged_steps:
+        problems.append(
+            f"{comparison.lagged_steps} of {comparison.lag_checked_steps} steps match the reference's previous "
+            f"step at least as well as their own (first: step {comparison.first_lagged_step()})"
+        )
+    if require_greedy and comparison.greedy_agreement != comparison.greedy_steps:
+        problems.append(
+            f"greedy choices diverge after {comparison.greedy_agreement} of {comparison.greedy_steps} steps"
+        )
+    return problems
+
+
+class _StaleScaleOp:
+    """The FlashNorm math with the race left in: each site's output is scaled by whatever its
+    RMS buffer held from the site's previous call (what a post-scale that does not wait for
+    the side stream reads), as a flat per-site buffer like a real workspace."""
+
+    def __init__(self):
+        self._buffers: dict[int, torch.Tensor] = {}
+
+    def __call__(self, x: torch.Tensor, w: torch.Tensor, eps: float, splits: Sequence[int]) -> list[torch.Tensor]:
+        x32 = x.float()
+        inv_rms = torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+        rows = inv_rms.numel()
+        buffer = self._buffers.setdefault(w.data_ptr(), inv_rms.flatten().clone())
+        if buffer.numel() < rows:
+            buffer = self._buffers[w.data_ptr()] = torch.cat([buffer, inv_rms.flatten()[buffer.numel() :]])
+        stale = buffer[:rows].clone().reshape(inv_rms.shape)
+        buffer[:rows] = inv_rms.flatten()
+        y = (x32 @ w.float()) * stale
+        return [part.to(x.dtype) for part in torch.split(y, list(splits), dim=-1)]
+
+
+def test_harness_passes_exact_math_and_catches_a_stale_scale(rng):
+    config = fl.llama_config(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=512,
+    )
+    schedule = fl.Schedule(total=96, prefill=8, greedy_start=48)
+    reference = fl.random_llama(config, seed=int(rng.integers(2**31)))
+    prompt = torch.from_numpy(rng.integers(0, config.vocab_size, schedule.total))
+    tokens, reference_logits = fl.run_generation(reference, schedule, prompt)
+
+    exact = fl.flashnorm_llama(reference, fl.reference_flashnorm_op)
+    _, exact_logits = fl.run_generation(exact, schedule, prompt, tokens=tokens)
+    exact_cmp = fl.compare(reference_logits, exact_logits, tokens, schedule, FP32_TOLERANCE)
+    assert _failures(exact_cmp, FP32_TOLERANCE, require_greedy=True) == [], exact_cmp.summary()
+
+    raced = fl.flashnorm_llama(reference, _StaleScaleOp())
+    _, raced_logits = fl.run_generation(raced, schedule, prompt, tokens=tokens)
+    raced_cmp = fl.compare(reference_logits, raced_logits, tokens, schedule, FP32_TOLERANCE)
+    assert _failures(raced_cmp, FP32_TOLERANCE, require_greedy=True), raced_cmp.summary()
+    assert raced_cmp.max_error > 100 * FP32_TOLERANCE, raced_cmp.summary()
+
+
+def _kernels():
+    from flashnorm import kernels
+    from flashnorm.errors import FlashNormError
+
+    try:
+        kernels.warm_up()
+    except (FlashNormError, OSError) as error:
+        pytest.skip(f"FlashNorm kernel library unavailable: {error}")
+    return kernels
+
+
+@pytest.fixture(scope="module")
+def references():
+    """The master fp32 model, the tokens and the fp32 reference's logits, shared by the variants."""
+    seed = int(np.random.SeedSequence().entropy % 2**31)
+    print(f"\nlong-generation model seed: {seed}")
+    started = time.perf_counter()
+    master = fl.random_llama(fl.llama_config(), seed, device="cuda")
+    prompt = torch.from_numpy(np.random.default_rng(seed).integers(0, master.config.vocab_size, SCHEDULE.total))
+    reference = copy.deepcopy(master).to("cuda")
+    tokens, logits32 = fl.run_generation(reference, SCHEDULE, prompt)
+    del reference
+    greedy = tokens[SCHEDULE.greedy_start :]
+    print(
+        f"fp32 reference: {time.perf_counter() - started:.1f} s; greedy continuation has "
+        f"{greedy.unique().numel()} distinct tokens in {greedy.numel()}"
+    )
+    return dict(master=master, prompt=prompt, tokens=tokens, logits32=logits32)
+
+
+@pytest.fixture(scope="module")
+def bf16_reference(references):
+    """The bf16 original's logits on the same tokens, and its drift from the fp32 original."""
+    started = time.perf_counter()
+    reference = copy.deepcopy(references["master"]).to("cuda", torch.bfloat16)
+    _, logits16 = fl.run_generation(reference, SCHEDULE, references["prompt"], tokens=references["tokens"])
+    drift = fl.compare(references["logits32"], logits16, references["tokens"], SCHEDULE)
+    print(f"\nbf16 original vs fp32 original: {drift.summary()}; {time.perf_counter() - started:.1f} s")
+    return dict(logits16=logits16, drift16=drift)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "dtype, strategy, side_delay",
+    [
+        pytest.param(torch.float32, "auto", 0, id="fp32-auto"),
+        pytest.param(torch.bfloat16, "auto", 0, id="bf16-auto"),
+        pytest.param(torch.float32, "two_stream", RACE_SIDE_DELAY_CYCLES, id="fp32-two_stream-race"),
+    ],
+)
+def test_long_generation_matches_reference(request, references, dtype, strategy, side_delay):
+    kernels = _kernels()
+
+    def op(x, w, eps, splits):
+        return kernels.flashnorm_matmul(x, w, eps, splits=splits, strategy=strategy)
+
+    started = time.perf_counter()
+    model = fl.flashnorm_llama(references["master"], op).to("cuda", dtype)
+    kernels.set_side_delay(side_delay)
+    try:
+        _, logits = fl.run_generation(model, SCHEDULE, references["prompt"], tokens=references["tokens"])
+        torch.cuda.synchronize()
+    finally:
+        kernels.set_side_delay(0)
+    elapsed = time.perf_counter() - started
+
+    tokens = references["tokens"]
+    if dtype == torch.float32:
+        comparison = fl.compare(references["logits32"], logits, tokens, SCHEDULE, FP32_TOLERANCE)
+        problems = _failures(comparison, FP32_TOLERANCE, require_greedy=True)
+    else:
+        # Against the bf16 original, with a tolerance set by how far bf16 rounding alone takes
+        # the original from the fp32 model; and against the fp32 model, by the same budget.
+        bf16 = request.getfixturevalue("bf16_reference")
+        budget = fl.bf16_error_budget(bf16["drift16"].relative_error, BF16_DRIFT_FACTOR)
+        comparison = fl.compare(bf16["logits16"], logits, tokens, SCHEDULE, budget)
+        problems = _failures(comparison, budget, require_greedy=False)
+        to_fp32 = fl.compare(references["logits32"], logits, tokens, SCHEDULE, budget)
+        problems += [f"vs fp32 model: {p}" for p in _failures(to_fp32, budget, require_greedy=False)]
+        print(f"bf16 FlashNorm vs fp32 original: {to_fp32.summary()} (budget {budget:.3e})")
+    print(f"{dtype} {strategy} side_delay={side_delay}: {comparison.summary()}; {elapsed:.1f} s")
+    assert not problems, "; ".join(problems)

@@ -1,0 +1,280 @@
+"""Defer (Proposition 2): a folded norm and its projections become one FlashNormMatMul node
+whose model-local reference function makes ONNX Runtime compute what the folded graph did;
+the node's attributes are what TensorRT's parser turns into the plugin's fields."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import onnx_graphsurgeon as gs
+import pytest
+from onnx import TensorProto, helper
+
+from flashnorm import io
+from flashnorm.passes import run_passes
+from flashnorm.passes.defer import DOMAIN, OP_TYPE, add_reference_functions, defer, reference_function
+from synthetic import CONSUMERS, SPELLINGS, GraphBuilder, build_attention_block, build_norm_model, pow_div
+
+# The fused Skip form normalizes a residual sum computed inside its own node: never deferred.
+DEFERRABLE = sorted(s for s in SPELLINGS if s != "skip_simplified_layernorm")
+
+
+def export(graph: gs.Graph) -> onnx.ModelProto:
+    """What flashnorm.io.save writes: the graph plus the reference functions."""
+    return add_reference_functions(gs.export_onnx(graph))
+
+
+def fold_then(model: onnx.ModelProto, passes: list[str]) -> tuple[onnx.ModelProto, dict]:
+    graph, reports = run_passes(gs.import_onnx(model), passes)
+    return export(graph), {r.name: r for r in reports}
+
+
+def flashnorm_nodes(model: onnx.ModelProto) -> list[onnx.NodeProto]:
+    return [n for n in model.graph.node if n.op_type == OP_TYPE]
+
+
+def attribute(node: onnx.NodeProto, name: str) -> onnx.AttributeProto:
+    return next(a for a in node.attribute if a.name == name)
+
+
+def assert_plugin_encoding(model: onnx.ModelProto, node: onnx.NodeProto, eps: float) -> None:
+    """The attributes as TensorRT's parser will read them, and the function ORT will run."""
+    assert node.domain == DOMAIN
+    assert attribute(node, "plugin_version").type == onnx.AttributeProto.STRING
+    assert attribute(node, "plugin_version").s == b"1"
+    assert attribute(node, "plugin_namespace").type == onnx.AttributeProto.STRING
+    assert attribute(node, "plugin_namespace").s == b"flashnorm"
+    assert attribute(node, "eps").type == onnx.AttributeProto.FLOAT
+    assert attribute(node, "eps").f == pytest.approx(eps, rel=1e-6)
+    splits = attribute(node, "splits")
+    assert splits.type == onnx.AttributeProto.INTS
+    assert len(splits.ints) == len(node.output)
+    # The parser narrows INTS to int32 plugin fields: every split must fit.
+    assert all(0 < s < 2**31 for s in splits.ints)
+    weight = next(i for i in model.graph.initializer if i.name == node.input[1])
+    assert list(weight.dims) == [weight.dims[0], sum(splits.ints)]
+    assert any(o.domain == DOMAIN and o.version == 1 for o in model.opset_import)
+    assert model.ir_version >= 10
+    functions = [f for f in model.functions if f.domain == DOMAIN and f.name == OP_TYPE and f.overload == node.overload]
+    assert len(functions) == 1 and len(functions[0].output) == len(node.output)
+
+
+@pytest.mark.parametrize("spelling", DEFERRABLE)
+def test_defer_every_spelling(spelling, rng, max_error):
+    model = build_norm_model(spelling, rng, consumer="qkv")
+    folded, _ = fold_then(model, ["fold"])
+    deferred, reports = fold_then(model, ["fold", "defer"])
+    assert reports["defer"].count("deferred") == 1, reports["defer"].to_dict()
+    (node,) = flashnorm_nodes(deferred)
+    assert len(node.output) == 3
+    assert_plugin_encoding(deferred, node, eps=1e-5)
+    onnx.checker.check_model(deferred, full_check=True)
+    assert max_error(folded, deferred) < 1e-5
+    # No normalization arithmetic is left: the node reads the norm's input directly.
+    assert not {"ReduceMean", "RMSNormalization", "SimplifiedLayerNormalization", "Sqrt"} & {
+        n.op_type for n in deferred.graph.node}
+
+
+@pytest.mark.parametrize("consumer", CONSUMERS)
+def test_defer_every_consumer_layout(consumer, rng, max_error):
+    model = build_norm_model("pow_div", rng, consumer=consumer)
+    folded, _ = fold_then(model, ["fold"])
+    deferred, reports = fold_then(model, ["fold", "defer"])
+    assert reports["defer"].count("deferred") == 1
+    (node,) = flashnorm_nodes(deferred)
+    consumers = {"matmul": 1, "qkv": 3, "transposed": 1, "gemm": 2, "biased": 3}[consumer]
+    assert len(node.output) == consumers
+    assert_plugin_encoding(deferred, node, eps=1e-5)
+    assert max_error(folded, deferred) < 1e-5
+    # Biases stay outside the node, as Adds after it (scale first, then bias).
+    bias_adds = [n for n in deferred.graph.node if n.op_type == "Add" and set(n.input) & set(node.output)]
+    assert len(bias_adds) == {"gemm": 1, "biased": 3}.get(consumer, 0)
+
+
+def test_model_inputs_and_outputs_keep_their_names(rng):
+    model = build_norm_model("legacy_torch", rng, consumer="biased")
+    deferred, _ = fold_then(model, ["fold", "defer"])
+    assert [i.name for i in deferred.graph.input] == [i.name for i in model.graph.input]
+    assert [o.name for o in deferred.graph.output] == [o.name for o in model.graph.output]
+
+
+def test_attention_block_defers_the_pre_norm_and_keeps_per_head_norms(rng, max_error):
+    """Per-head norms stay and are reported: q/k keep gains fold cannot move into a Reshape,
+    the weightless v norm feeds a Transpose, not a projection."""
+    model = build_attention_block(rng, kind="qkv_norm")
+    folded, _ = fold_then(model, ["fold"])
+    deferred, reports = fold_then(model, ["fold", "defer"])
+    report = reports["defer"]
+    assert report.count("deferred") == 1
+    reasons = sorted(d.reason for d in report.decisions if d.action == "skipped")
+    assert len(reasons) == 3
+    assert sum("run fold first" in r for r in reasons) == 2
+    assert sum("not a projection" in r for r in reasons) == 1
+    assert max_error(folded, deferred) < 1e-5
+
+
+def test_unfolded_gain_is_not_deferred(rng):
+    model = build_norm_model("pow_div", rng)
+    graph, report = defer(gs.import_onnx(model))
+    assert report.count("deferred") == 0
+    assert "run fold first" in report.decisions[0].reason
+    assert OP_TYPE not in {n.op for n in graph.nodes}
+
+
+def test_skip_form_is_reported_not_deferred(rng):
+    model = build_norm_model("skip_simplified_layernorm", rng)
+    _, reports = fold_then(model, ["fold", "defer"])
+    (decision,) = reports["defer"].decisions
+    assert decision.action == "skipped" and "residual sum" in decision.reason
+
+
+def test_norm_that_also_feeds_a_non_projection_stays(rng, max_error):
+    """Deferral must replace EVERY reader of the normalized tensor; one Add reader blocks it."""
+    b = GraphBuilder(17)
+    hidden = 32
+    y = pow_div(b, "x", None, 1e-6)
+    w = b.const((rng.standard_normal((hidden, 16)) / 6).astype(np.float32), "w")
+    outputs = [b.op("MatMul", [y, w]), b.op("Add", [y, b.const(np.ones(hidden, np.float32))])]
+    model = b.model([helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", "seq", hidden])], outputs)
+    deferred, reports = fold_then(model, ["defer"])
+    assert reports["defer"].count("deferred") == 0
+    assert "not a projection" in reports["defer"].decisions[0].reason
+    assert not flashnorm_nodes(deferred)
+    assert max_error(model, deferred) < 1e-6
+
+
+def test_shape_readers_move_to_the_norm_input(rng, max_error):
+    """The legacy exporter reads batch and sequence length with Shape(normed): that reader
+    needs no values, so it reads x instead and the site is still deferred."""
+    b = GraphBuilder(17)
+    hidden = 32
+    y = pow_div(b, "x", None, 1e-6)
+    w = b.const((rng.standard_normal((hidden, 16)) / 6).astype(np.float32), "w")
+    projected = b.op("MatMul", [y, w])
+    leading = b.op("Shape", [y], start=0, end=2)
+    shape = b.op("Concat", [leading, b.const(np.array([4, 4], np.int64))], axis=0)
+    out = b.op("Reshape", [projected, shape])
+    model = b.model([helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", "seq", hidden])], [out])
+    deferred, reports = fold_then(model, ["defer"])
+    assert reports["defer"].count("deferred") == 1, reports["defer"].to_dict()
+    assert reports["defer"].decisions[0].details["shape_readers"] == 1
+    (node,) = flashnorm_nodes(deferred)
+    (shape_node,) = [n for n in deferred.graph.node if n.op_type == "Shape"]
+    assert shape_node.input[0] == node.input[0] == "x"
+    assert max_error(model, deferred) < 1e-5
+
+
+def test_gemm_alpha_beta_and_transposed_weight(rng, max_error):
+    """Gemm transB=1 with alpha and beta·C: alpha goes into W*, beta·C into the bias Add."""
+    b = GraphBuilder(17)
+    hidden = 24
+    y = pow_div(b, "x", None, 1e-5)
+    w = b.const((rng.standard_normal((40, hidden)) / 5).astype(np.float32), "w")
+    c = b.const(rng.standard_normal(40).astype(np.float32), "c")
+    out = b.op("Gemm", [y, w, c], transB=1, alpha=0.5, beta=2.0)
+    model = b.model([helper.make_tensor_value_info("x", TensorProto.FLOAT, ["tokens", hidden])], [out])
+    deferred, reports = fold_then(model, ["defer"])
+    assert reports["defer"].count("deferred") == 1
+    assert max_error(model, deferred) < 1e-5
+
+
+def test_fp16_model(rng):
+    """fp16 activations and weights: the node keeps fp16 I/O (TensorRT's strongly typed
+    plugin receives fp16), the function computes the norm in fp32."""
+    b = GraphBuilder(17)
+    hidden = 64
+    sq = b.op("Mul", ["x", "x"])
+    ms = b.op("ReduceMean", [sq], axes=[-1])
+    rms = b.op("Sqrt", [b.op("Add", [ms, b.const(np.array(1e-5, np.float16))])])
+    y = b.op("Div", ["x", rms])
+    weights = [(rng.standard_normal((hidden, n)) / 8).astype(np.float16) for n in (64, 32)]
+    outputs = [b.op("MatMul", [y, b.const(w, "w")]) for w in weights]
+    x_info = helper.make_tensor_value_info("x", TensorProto.FLOAT16, ["tokens", hidden])
+    graph = helper.make_graph(b.nodes, "fp16", [x_info],
+                              [helper.make_tensor_value_info(o, TensorProto.FLOAT16, None) for o in outputs],
+                              b.initializers)
+    model = onnx.shape_inference.infer_shapes(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]))
+    model.ir_version = 9
+    deferred, reports = fold_then(model, ["defer"])
+    assert reports["defer"].count("deferred") == 1, reports["defer"].to_dict()
+    (node,) = flashnorm_nodes(deferred)
+    weight = next(i for i in deferred.graph.initializer if i.name == node.input[1])
+    assert weight.data_type == TensorProto.FLOAT16
+
+    import onnxruntime as ort
+
+    x = (rng.standard_normal((7, hidden)) * 3).astype(np.float16)
+    session = ort.InferenceSession(deferred.SerializeToString(), providers=["CPUExecutionProvider"])
+    actual = session.run(None, {"x": x})
+    x64 = x.astype(np.float64)
+    inv = 1.0 / np.sqrt(np.mean(x64**2, axis=-1, keepdims=True) + 1e-5)
+    for got, w in zip(actual, weights):
+        assert got.dtype == np.float16
+        expected = (x64 @ w.astype(np.float64)) * inv
+        assert np.max(np.abs(got - expected)) / np.max(np.abs(expected)) < 2e-3
+
+
+def test_low_opset_is_reported(rng):
+    model = build_norm_model("pow_div", rng, weightless=True)
+    graph = gs.import_onnx(model)
+    graph.opset = 13
+    _, report = defer(graph)
+    assert report.count("deferred") == 0 and "opset 13" in report.decisions[0].reason
+
+
+def test_reference_functions_are_idempotent_and_per_arity(rng):
+    model = build_norm_model("pow_div", rng, consumer="qkv")
+    deferred, _ = fold_then(model, ["fold", "defer"])
+    again = add_reference_functions(onnx.ModelProto.FromString(deferred.SerializeToString()))
+    assert [(f.name, f.overload) for f in again.functions] == [(f.name, f.overload) for f in deferred.functions]
+    assert [f.overload for f in deferred.functions] == ["outputs3"]
+    assert len(reference_function(2, 18).output) == 2
+
+
+def test_save_and_reload_through_flashnorm_io(rng, tmp_path, max_error):
+    """flashnorm.io.save writes the functions; loading and saving the deferred file again
+    (another pass run) keeps it valid."""
+    model = build_norm_model("pow_div", rng, consumer="qkv")
+    folded, _ = fold_then(model, ["fold"])
+    graph, _ = run_passes(gs.import_onnx(model), ["fold", "defer"])
+    first = tmp_path / "deferred.onnx"
+    io.save(graph, first)
+    second = tmp_path / "again.onnx"
+    io.save(io.load(first), second)
+    for path in (first, second):
+        saved = onnx.load(str(path))
+        onnx.checker.check_model(saved, full_check=True)
+        assert len(flashnorm_nodes(saved)) == 1
+        assert max_error(folded, saved) < 1e-5
+
+
+@pytest.mark.slow
+def test_smollm2_deferred_matches_folded(smollm2_onnx, smollm2_folded_onnx, rng):
+    """The real model: every pre-projection norm whose gain was folded becomes one
+    FlashNormMatMul (q|k|v and gate|up per layer); logits equal the folded model's."""
+    from models import cache
+
+    from flashnorm.validate.inputs import language_model_feeds, random_token_ids, read_signature
+    from synthetic import run
+
+    deferred_path, report = cache.optimized(smollm2_onnx, ("fold", "cancel", "defer"))
+    defer_report = next(r for r in report["reports"] if r["pass"] == "defer")
+    deferred = onnx.load(str(deferred_path), load_external_data=False)
+    nodes = flashnorm_nodes(deferred)
+    assert defer_report["counts"].get("deferred", 0) == len(nodes) == 60, defer_report["counts"]
+    assert sorted({len(n.output) for n in nodes}) == [2, 3]
+    for node in nodes:
+        assert attribute(node, "eps").type == onnx.AttributeProto.FLOAT
+        assert attribute(node, "splits").type == onnx.AttributeProto.INTS
+        assert list(attribute(node, "splits").ints) in ([576, 192, 192], [1536, 1536])
+    # The final norm feeds the tied LM head: its gain stays (no untie), so it is not deferred.
+    skipped = [s for s in defer_report["sites"] if s["action"] == "skipped"]
+    assert len(skipped) == 1 and "run fold first" in skipped[0]["reason"]
+
+    signature = read_signature(smollm2_folded_onnx)
+    feeds = language_model_feeds(signature, random_token_ids(signature.vocab_size, 2, 12, rng), rng=rng)
+    (folded_logits,) = run(str(smollm2_folded_onnx), feeds)[:1]
+    (deferred_logits,) = run(str(deferred_path), feeds)[:1]
+    difference = deferred_logits.astype(np.float64) - folded_logits
+    assert np.max(np.abs(difference)) / np.max(np.abs(folded_logits)) < 1e-5
+    assert np.linalg.norm(difference) / np.linalg.norm(folded_logits) < 1e-5

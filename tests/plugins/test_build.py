@@ -1,0 +1,96 @@
+"""The kernel library builds with nvcc on a machine without a GPU (as in CI), exports its C ABI,
+and loads: the calls that need no GPU answer, and context creation fails cleanly.
+
+Never skipped silently: without nvcc this test FAILS unless FLASHNORM_ALLOW_NO_NVCC=1.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+ABI = [
+    "flashnorm_context_create",
+    "flashnorm_context_destroy",
+    "flashnorm_workspace_size",
+    "flashnorm_resolve_strategy",
+    "flashnorm_matmul",
+    "flashnorm_status_string",
+    "flashnorm_context_last_error",
+    "flashnorm_testing_set_side_delay",
+    "flashnorm_testing_join_dropped",
+]
+
+
+def _run(command: list[str], cwd: Path) -> str:
+    result = subprocess.run(command, cwd=cwd, capture_output=True, text=True)
+    assert result.returncode == 0, f"{' '.join(command)} failed:\n{result.stdout[-4000:]}\n{result.stderr[-4000:]}"
+    return result.stdout
+
+
+@pytest.fixture(scope="module")
+def built_library(tmp_path_factory) -> Path:
+    if shutil.which("nvcc") is None:
+        if os.environ.get("FLASHNORM_ALLOW_NO_NVCC") == "1":
+            pytest.skip("nvcc not found and FLASHNORM_ALLOW_NO_NVCC=1")
+        pytest.fail("nvcc not found: the kernel library cannot be built (set FLASHNORM_ALLOW_NO_NVCC=1 to allow)")
+    build = tmp_path_factory.mktemp("flashnorm-build")
+    generator = ["-G", "Ninja"] if shutil.which("ninja") else []
+    _run(["cmake", "-S", str(REPO), "-B", str(build), *generator, "-DCMAKE_BUILD_TYPE=Release"], REPO)
+    _run(["cmake", "--build", str(build), "--target", "flashnorm", "flashnorm_selftest", "--parallel", "2"], REPO)
+    library = build / "plugins" / "flashnorm" / "libflashnorm.so"
+    assert library.is_file()
+    assert (build / "plugins" / "flashnorm" / "tests" / "flashnorm_selftest").is_file()
+    return library
+
+
+def test_exports_exactly_the_c_abi(built_library):
+    symbols = _run(["nm", "-D", "--defined-only", str(built_library)], REPO)
+    exported = {line.split()[-1] for line in symbols.splitlines() if " T " in line}
+    assert set(ABI) <= exported
+    assert not {name for name in exported if name.startswith("_Z")}, "C++ symbols leak out of the library"
+
+
+def test_carries_hopper_machine_code_and_ptx(built_library):
+    # The fatbinary keeps ptxas's options for each cubin and the PTX's target line.
+    contents = built_library.read_bytes()
+    assert b"-arch sm_90" in contents, "no sm_90 machine code: CMAKE_CUDA_ARCHITECTURES did not reach nvcc"
+    assert b".target sm_90" in contents, "no compute_90 PTX for newer GPUs"
+
+
+def test_loads_and_answers_without_a_gpu(built_library):
+    library = ctypes.CDLL(str(built_library))
+    library.flashnorm_testing_join_dropped.restype = ctypes.c_int
+    assert library.flashnorm_testing_join_dropped() == 0
+    library.flashnorm_status_string.restype = ctypes.c_char_p
+    assert library.flashnorm_status_string(3) == b"workspace too small"
+    context = ctypes.c_void_p()
+    status = library.flashnorm_context_create(ctypes.byref(context))
+    if status == 0:  # a GPU is present after all: creation must then work and be undone
+        library.flashnorm_context_destroy(context)
+    else:
+        assert status == 4, f"context creation without a GPU must report a CUDA error, got {status}"
+        assert not context.value
+
+
+def test_auto_strategy_through_the_python_binding(built_library, monkeypatch):
+    """AUTO's measured thresholds (capi.cpp), asked through flashnorm.kernels: no GPU needed."""
+    import torch
+
+    from flashnorm import kernels
+
+    monkeypatch.setenv("FLASHNORM_LIBRARY", str(built_library))
+    monkeypatch.setattr(kernels, "_library", None)
+    assert kernels.resolve_strategy(1, 576, 960, torch.bfloat16) == "fused"
+    assert kernels.resolve_strategy(16, 576, 960, torch.float16) == "fused"
+    assert kernels.resolve_strategy(17, 576, 960, torch.bfloat16) == "two_stream"
+    assert kernels.resolve_strategy(1, 4096, 6144, torch.bfloat16) == "two_stream"
+    assert kernels.resolve_strategy(1, 576, 960, torch.float32) == "two_stream"
+    assert kernels.resolve_strategy(1, 576, 962, torch.bfloat16) == "two_stream"
+    assert kernels.join_dropped() is False

@@ -1,0 +1,214 @@
+"""A generated Python-backend repository served for real: the `tritonserver` bundled in
+nvidia-pytriton (its own venv, FLASHNORM_PYTRITON_VENV), on loopback, free ports.
+
+The served models are SmolLM2-135M after `flashnorm optimize` (gains folded; and folded +
+deferred into FlashNormMatMul nodes, run by ONNX Runtime through their model-local function);
+their logits over HTTP and gRPC are compared with ONNX Runtime on the original export;
+malformed requests get errors and the server keeps serving; the server stops cleanly.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+
+pytest.importorskip("tritonclient.http", reason="needs tritonclient[http,grpc]")
+pytest.importorskip("tritonclient.grpc", reason="needs tritonclient[http,grpc]")
+
+import onnxruntime as ort  # noqa: E402
+import tritonclient.grpc as grpcclient  # noqa: E402
+import tritonclient.http as httpclient  # noqa: E402
+from tritonclient.utils import InferenceServerException  # noqa: E402
+
+from flashnorm import cli  # noqa: E402
+from flashnorm.serve.bundled_server import BundledTritonServer  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+MODEL = "smollm2"
+DEFERRED = "smollm2_deferred"
+VOCAB = 49152
+MAX_BATCH = 4
+
+
+def _serve(venv, onnx_path, root, name):
+    """`flashnorm triton --backend python` on one model, then a server on that repository."""
+    # A queue delay long enough that concurrent requests meet in the dynamic batcher.
+    code = cli.main([
+        "triton", "--onnx", str(onnx_path), "--backend", "python", "-o", str(root / name), "--name", name,
+        "--outputs", "logits", "--max-batch-size", str(MAX_BATCH), "--max-queue-delay-us", "200000",
+        "--threads", "2", "-q",
+    ])
+    assert code == 0
+    return BundledTritonServer(venv, root / name, ready_timeout=300)
+
+
+@pytest.fixture(scope="module")
+def smollm2_served(pytriton_venv, smollm2_folded_onnx, tmp_path_factory):
+    """SmolLM2 after `flashnorm optimize` (gains folded), served; always stopped afterwards."""
+    server = _serve(pytriton_venv, smollm2_folded_onnx, tmp_path_factory.mktemp("triton"), MODEL)
+    try:
+        yield server.start()
+    finally:
+        server.stop()
+        server.cleanup()
+
+
+@pytest.fixture
+def deferred_served(pytriton_venv, smollm2_deferred_onnx, tmp_path_factory):
+    """SmolLM2 folded and deferred into FlashNormMatMul nodes, served; always stopped afterwards."""
+    server = _serve(pytriton_venv, smollm2_deferred_onnx, tmp_path_factory.mktemp("triton"), DEFERRED)
+    try:
+        yield server.start()
+    finally:
+        server.stop()
+        server.cleanup()
+
+
+@pytest.fixture(scope="module")
+def reference(smollm2_onnx):
+    """ONNX Runtime on the exported model before any FlashNorm pass."""
+    session = ort.InferenceSession(str(smollm2_onnx), providers=["CPUExecutionProvider"])
+    return lambda feeds: session.run(["logits"], feeds)[0]
+
+
+def _grpc_client(url: str) -> grpcclient.InferenceServerClient:
+    # gRPC would route even loopback through an http_proxy from the environment.
+    return grpcclient.InferenceServerClient(url, channel_args=[("grpc.enable_http_proxy", 0)])
+
+
+def _feeds(rng, batch: int, length: int) -> dict[str, np.ndarray]:
+    ids = rng.integers(0, VOCAB, size=(batch, length), dtype=np.int64)
+    return {
+        "input_ids": ids,
+        "attention_mask": np.ones_like(ids),
+        "position_ids": np.broadcast_to(np.arange(length, dtype=np.int64), (batch, length)).copy(),
+    }
+
+
+def _inputs(module, feeds):
+    tensors = []
+    for name, value in feeds.items():
+        tensor = module.InferInput(name, list(value.shape), "INT64")
+        tensor.set_data_from_numpy(value)
+        tensors.append(tensor)
+    return tensors
+
+
+def _relative_error(actual: np.ndarray, expected: np.ndarray) -> float:
+    expected = expected.astype(np.float64)
+    return float(np.abs(actual.astype(np.float64) - expected).max() / np.abs(expected).max())
+
+
+@pytest.mark.parametrize("model", [MODEL, DEFERRED])
+def test_logits_over_http_and_grpc_match_onnxruntime(model, request, reference, rng):
+    server = request.getfixturevalue("smollm2_served" if model == MODEL else "deferred_served")
+    feeds = _feeds(rng, batch=2, length=int(rng.integers(3, 13)))
+    expected = reference(feeds)
+    assert expected.shape == (2, feeds["input_ids"].shape[1], VOCAB) and np.isfinite(expected).all()
+    assert expected.std() > 0.1  # a real model's logits, not a constant
+
+    http = httpclient.InferenceServerClient(server.http_url)
+    grpc = _grpc_client(server.grpc_url)
+    try:
+        assert http.is_model_ready(model) and grpc.is_model_ready(model)
+        over_http = http.infer(model, _inputs(httpclient, feeds)).as_numpy("logits")
+        over_grpc = grpc.infer(model, _inputs(grpcclient, feeds)).as_numpy("logits")
+    finally:
+        http.close()
+        grpc.close()
+    for served in (over_http, over_grpc):
+        assert served.dtype == np.float32 and served.shape == expected.shape
+        assert _relative_error(served, expected) < 1e-4
+
+
+def test_concurrent_requests_are_batched_and_split_back(smollm2_served, reference, rng):
+    length = int(rng.integers(3, 9))
+    first, second = _feeds(rng, 2, length), _feeds(rng, 2, length)
+    http = httpclient.InferenceServerClient(smollm2_served.http_url, concurrency=2)
+    try:
+        before = http.get_inference_statistics(MODEL)["model_stats"][0]
+        pending = [http.async_infer(MODEL, _inputs(httpclient, feeds)) for feeds in (first, second)]
+        results = [request.get_result().as_numpy("logits") for request in pending]
+        after = http.get_inference_statistics(MODEL)["model_stats"][0]
+    finally:
+        http.close()
+    for feeds, served in zip((first, second), results):
+        assert _relative_error(served, reference(feeds)) < 1e-4
+    # Two requests of batch 2 fill max_batch_size 4: Triton hands them to one execute() call.
+    assert after["inference_count"] - before["inference_count"] == 4
+    assert after["execution_count"] - before["execution_count"] == 1
+
+
+def test_a_bad_request_batched_with_a_good_one_fails_alone(smollm2_served, reference, rng):
+    length = int(rng.integers(3, 9))
+    good, bad = _feeds(rng, 2, length), _feeds(rng, 2, length)
+    bad["input_ids"][1, -1] = VOCAB + int(rng.integers(0, 1000))  # one token id out of range
+    http = httpclient.InferenceServerClient(smollm2_served.http_url, concurrency=2)
+    try:
+        before = http.get_inference_statistics(MODEL)["model_stats"][0]
+        pending = [http.async_infer(MODEL, _inputs(httpclient, feeds)) for feeds in (good, bad)]
+        served = pending[0].get_result().as_numpy("logits")
+        with pytest.raises(InferenceServerException, match="ONNX Runtime"):
+            pending[1].get_result()
+        after = http.get_inference_statistics(MODEL)["model_stats"][0]
+    finally:
+        http.close()
+    assert after["execution_count"] - before["execution_count"] == 1  # they did meet in one batch
+    assert _relative_error(served, reference(good)) < 1e-4
+
+
+def test_malformed_requests_fail_and_the_server_keeps_serving(smollm2_served, reference, rng):
+    feeds = _feeds(rng, 2, int(rng.integers(3, 9)))
+    http = httpclient.InferenceServerClient(smollm2_served.http_url)
+    grpc = _grpc_client(smollm2_served.grpc_url)
+    try:
+        wrong_type = _inputs(httpclient, feeds)
+        wrong_type[0] = httpclient.InferInput("input_ids", list(feeds["input_ids"].shape), "FP32")
+        wrong_type[0].set_data_from_numpy(feeds["input_ids"].astype(np.float32))
+        with pytest.raises(InferenceServerException, match="(?i)data-type|datatype"):
+            http.infer(MODEL, wrong_type)
+
+        with pytest.raises(InferenceServerException, match="attention_mask"):
+            grpc.infer(MODEL, _inputs(grpcclient, {k: v for k, v in feeds.items() if k != "attention_mask"}))
+
+        out_of_vocab = dict(feeds, input_ids=feeds["input_ids"] + VOCAB)  # Gather index out of range
+        with pytest.raises(InferenceServerException, match="ONNX Runtime"):
+            http.infer(MODEL, _inputs(httpclient, out_of_vocab))
+
+        assert smollm2_served.process.poll() is None and http.is_server_ready()
+        served = grpc.infer(MODEL, _inputs(grpcclient, feeds)).as_numpy("logits")
+    finally:
+        http.close()
+        grpc.close()
+    assert _relative_error(served, reference(feeds)) < 1e-4
+
+
+def test_unbatched_model_serves_and_the_server_stops_cleanly(projection_model, pytriton_venv, tmp_path, rng):
+    onnx_path, weight = projection_model(k=int(rng.integers(2, 17)), n=int(rng.integers(2, 17)))
+    repo = tmp_path / "repo"
+    assert cli.main(["triton", "--onnx", str(onnx_path), "--backend", "python", "-o", str(repo),
+                     "--name", "proj", "--max-batch-size", "0", "-q"]) == 0
+    x = rng.standard_normal((3, weight.shape[0])).astype(np.float32)
+    ids = rng.integers(-1000, 1000, 3)
+    server = BundledTritonServer(pytriton_venv, repo)
+    try:
+        server.start()
+        client = _grpc_client(server.grpc_url)
+        inputs = [grpcclient.InferInput("x", list(x.shape), "FP32"), grpcclient.InferInput("ids", [3], "INT64")]
+        inputs[0].set_data_from_numpy(x)
+        inputs[1].set_data_from_numpy(ids)
+        result = client.infer("proj", inputs)
+        client.close()
+        np.testing.assert_allclose(result.as_numpy("y"), x.astype(np.float64) @ weight, rtol=1e-5, atol=1e-5)
+        np.testing.assert_array_equal(result.as_numpy("ids_out"), ids)
+        assert server.stop() == 0
+        # The server's stub processes are gone with it (they share its process group).
+        with pytest.raises(ProcessLookupError):
+            os.killpg(server.process.pid, 0)
+        assert "successfully unloaded" in server.log_text()
+    finally:
+        server.stop()
+        server.cleanup()

@@ -1,0 +1,358 @@
+"""Small ONNX graphs, built with onnx.helper, for every RMSNorm spelling FlashNorm matches.
+
+Each builder returns a shape-inferred `onnx.ModelProto` whose graph input `x` is normalized
+by one spelling and read by linear projections. Gains are random with some negative values.
+Other test modules import `build_norm_model`, `build_attention_block`, `SPELLINGS`, `run`.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional, Sequence
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper, numpy_helper
+
+
+class GraphBuilder:
+    """Collects nodes and initializers; every helper returns the name of its output."""
+
+    def __init__(self, opset: int = 17) -> None:
+        self.opset = opset
+        self.nodes: list[onnx.NodeProto] = []
+        self.initializers: list[onnx.TensorProto] = []
+        self._count = 0
+
+    def name(self, prefix: str) -> str:
+        self._count += 1
+        return f"{prefix}_{self._count}"
+
+    def const(self, value: np.ndarray, prefix: str = "c") -> str:
+        name = self.name(prefix)
+        self.initializers.append(numpy_helper.from_array(np.asarray(value), name))
+        return name
+
+    def op(self, op_type: str, inputs: Sequence[str], outputs: int = 1, domain: str = "", **attrs) -> str | list[str]:
+        names = [self.name(op_type.lower()) for _ in range(outputs)]
+        self.nodes.append(helper.make_node(op_type, list(inputs), names, name=self.name(op_type), domain=domain, **attrs))
+        return names[0] if outputs == 1 else names
+
+    def model(self, inputs: list[onnx.ValueInfoProto], outputs: Sequence[str]) -> onnx.ModelProto:
+        graph = helper.make_graph(
+            self.nodes, "synthetic", inputs,
+            [helper.make_tensor_value_info(o, TensorProto.FLOAT, None) for o in outputs],
+            self.initializers,
+        )
+        opsets = [helper.make_opsetid("", self.opset), helper.make_opsetid("com.microsoft", 1)]
+        model = helper.make_model(graph, opset_imports=opsets)
+        model.ir_version = 10
+        inferred = onnx.shape_inference.infer_shapes(model, strict_mode=True)
+        # Graph outputs carry the inferred type (ORT needs it for its output bindings).
+        by_name = {v.name: v for v in inferred.graph.value_info}
+        for output in inferred.graph.output:
+            if output.name in by_name:
+                output.CopyFrom(by_name[output.name])
+        # Contrib ops have no shape inference: give their outputs a symbolic shape of the rank
+        # ONNX Runtime produces (the ONNX checker requires a shape on every graph output).
+        missing = [o for o in inferred.graph.output if not o.type.tensor_type.HasField("shape")]
+        if missing:
+            results = dict(zip([o.name for o in inferred.graph.output],
+                               run(inferred, feeds(inferred, np.random.default_rng()))))
+            for output in missing:
+                dims = [f"{output.name}_{i}" for i in range(results[output.name].ndim)]
+                output.CopyFrom(helper.make_tensor_value_info(output.name, TensorProto.FLOAT, dims))
+        return inferred
+
+
+def random_gain(rng: np.random.Generator, hidden: int) -> np.ndarray:
+    """Gains around 1 with spread, every 7th negative (trained gains have negative entries)."""
+    gain = rng.normal(1.0, 0.5, hidden)
+    gain[:: 7] = -np.abs(gain[:: 7]) - 0.1
+    return gain.astype(np.float32)
+
+
+# ── spellings: (builder, x name, gain or None, eps) → normalized output name ──────────────
+
+def _finish_gain(b: GraphBuilder, y: str, gain: Optional[np.ndarray], gain_first: bool = False) -> str:
+    if gain is None:
+        return y
+    g = b.const(gain, "gain")
+    return b.op("Mul", [g, y] if gain_first else [y, g])
+
+
+def pow_div(b, x, gain, eps):
+    sq = b.op("Pow", [x, b.const(np.array(2.0, np.float32))])
+    ms = b.op("ReduceMean", [sq], axes=[-1], keepdims=1)
+    rms = b.op("Sqrt", [b.op("Add", [ms, b.const(np.array(eps, np.float32))])])
+    return _finish_gain(b, b.op("Div", [x, rms]), gain)
+
+
+def mul_reciprocal(b, x, gain, eps):
+    sq = b.op("Mul", [x, x])
+    ms = b.op("ReduceMean", [sq], axes=[-1])
+    rms = b.op("Sqrt", [b.op("Add", [b.const(np.array(eps, np.float32)), ms])])
+    y = b.op("Mul", [b.op("Reciprocal", [rms]), x])
+    return _finish_gain(b, y, gain, gain_first=True)
+
+
+def legacy_torch(b, x, gain, eps):
+    """torch.onnx legacy exporter (SmolLM2): Cast→Pow→ReduceMean→Add→Sqrt→Div(1,·)→Mul(x,·)→Cast→Mul(gain,·).
+    The caller makes the first Cast's output also feed a residual Add."""
+    sq = b.op("Pow", [x, b.const(np.array(2.0, np.float32))])
+    ms = b.op("ReduceMean", [sq], axes=[-1], keepdims=1)
+    rms = b.op("Sqrt", [b.op("Add", [ms, b.const(np.array(eps, np.float32))])])
+    inv = b.op("Div", [b.const(np.array(1.0, np.float32)), rms])
+    y = b.op("Cast", [b.op("Mul", [x, inv])], to=TensorProto.FLOAT)
+    return _finish_gain(b, y, gain, gain_first=True)
+
+
+def axes_input(b, x, gain, eps):
+    """Opset ≥ 18: ReduceMean takes its axes as an input."""
+    sq = b.op("Pow", [x, b.const(np.array(2.0, np.float32))])
+    ms = b.op("ReduceMean", [sq, b.const(np.array([-1], np.int64))], keepdims=1)
+    rms = b.op("Sqrt", [b.op("Add", [ms, b.const(np.array(eps, np.float32))])])
+    return _finish_gain(b, b.op("Div", [x, rms]), gain)
+
+
+def pow_rsqrt(b, x, gain, eps):
+    sq = b.op("Mul", [x, x])
+    ms = b.op("ReduceMean", [sq], axes=[-1])
+    inv = b.op("Pow", [b.op("Add", [ms, b.const(np.array(eps, np.float32))]), b.const(np.array(-0.5, np.float32))])
+    return _finish_gain(b, b.op("Mul", [x, inv]), gain)
+
+
+def cast_gain(b, x, gain, eps):
+    """Gain stored as fp16 and Cast to the activation dtype; casts around the division."""
+    xc = b.op("Cast", [x], to=TensorProto.FLOAT)
+    sq = b.op("Pow", [xc, b.const(np.array(2.0, np.float32))])
+    ms = b.op("ReduceMean", [sq], axes=[-1])
+    rms = b.op("Sqrt", [b.op("Add", [ms, b.const(np.array(eps, np.float32))])])
+    y = b.op("Cast", [b.op("Div", [xc, rms])], to=TensorProto.FLOAT)
+    if gain is None:
+        return y
+    g = b.op("Cast", [b.const(gain.astype(np.float16), "gain")], to=TensorProto.FLOAT)
+    return b.op("Cast", [b.op("Mul", [y, g])], to=TensorProto.FLOAT)
+
+
+def constant_node_gain(b, x, gain, eps):
+    sq = b.op("Pow", [x, b.const(np.array(2.0, np.float32))])
+    ms = b.op("ReduceMean", [sq], axes=[-1])
+    rms = b.op("Sqrt", [b.op("Add", [ms, b.const(np.array(eps, np.float32))])])
+    y = b.op("Div", [x, rms])
+    if gain is None:
+        return y
+    g = b.op("Constant", [], value=numpy_helper.from_array(gain, "gain_value"))
+    return b.op("Mul", [y, g])
+
+
+def gemma_add_one(b, x, gain, eps):
+    """Gemma's (1+w) gain computed in the graph: Add(w, 1); `gain` is the effective 1+w."""
+    sq = b.op("Pow", [x, b.const(np.array(2.0, np.float32))])
+    ms = b.op("ReduceMean", [sq], axes=[-1])
+    inv = b.op("Reciprocal", [b.op("Sqrt", [b.op("Add", [ms, b.const(np.array(eps, np.float32))])])])
+    y = b.op("Mul", [x, inv])
+    if gain is None:
+        return y
+    w = b.const((gain - 1.0).astype(np.float32), "gemma_w")
+    g = b.op("Add", [w, b.const(np.array(1.0, np.float32))])
+    return b.op("Mul", [y, g])
+
+
+def rms_normalization(b, x, gain, eps):
+    b.opset = max(b.opset, 23)
+    scale = gain if gain is not None else np.ones(0, np.float32)
+    return b.op("RMSNormalization", [x, b.const(scale, "gain")], axis=-1, epsilon=eps)
+
+
+def simplified_layernorm(b, x, gain, eps):
+    return b.op("SimplifiedLayerNormalization", [x, b.const(gain, "gain")], axis=-1, epsilon=eps)
+
+
+def skip_simplified_layernorm(b, x, gain, eps):
+    """The residual `skip` is a second graph input; the sum output is also a graph output."""
+    y, _, _, total = b.op("SkipSimplifiedLayerNormalization", [x, "skip", b.const(gain, "gain")],
+                          outputs=4, domain="com.microsoft", epsilon=eps)
+    b.residual_output = total
+    return y
+
+
+SPELLINGS: dict[str, Callable] = {
+    "pow_div": pow_div,
+    "mul_reciprocal": mul_reciprocal,
+    "legacy_torch": legacy_torch,
+    "axes_input": axes_input,
+    "pow_rsqrt": pow_rsqrt,
+    "cast_gain": cast_gain,
+    "constant_node_gain": constant_node_gain,
+    "gemma_add_one": gemma_add_one,
+    "gemma_folded": pow_div,  # the 1+w gain already folded into one constant
+    "rms_normalization": rms_normalization,
+    "simplified_layernorm": simplified_layernorm,
+    "skip_simplified_layernorm": skip_simplified_layernorm,
+}
+SPELLING_FAMILY = {
+    "rms_normalization": "RMSNormalization",
+    "simplified_layernorm": "SimplifiedLayerNormalization",
+    "skip_simplified_layernorm": "SkipSimplifiedLayerNormalization",
+}
+OPSET = {"axes_input": 18, "rms_normalization": 23}
+# Consumer layouts: how the normalized tensor reaches the projection weights.
+CONSUMERS = ("matmul", "qkv", "transposed", "gemm", "biased")
+
+
+def _gain_for(spelling: str, rng: np.random.Generator, hidden: int) -> np.ndarray:
+    if spelling.startswith("gemma"):
+        w = rng.normal(0.0, 0.3, hidden)
+        w[:: 5] = -1.0 - np.abs(w[:: 5])  # 1+w < 0 at every 5th channel
+        return (1.0 + w).astype(np.float32)
+    return random_gain(rng, hidden)
+
+
+def _projections(b: GraphBuilder, y: str, consumer: str, rng: np.random.Generator, hidden: int,
+                 widths: Sequence[int] = (48, 16, 16)) -> list[str]:
+    """Linear consumers of `y`: each output is a graph output."""
+    def weight(k, n):
+        return (rng.standard_normal((k, n)) / np.sqrt(k)).astype(np.float32)
+
+    if consumer == "matmul":
+        return [b.op("MatMul", [y, b.const(weight(hidden, widths[0]), "w")])]
+    if consumer == "qkv":
+        return [b.op("MatMul", [y, b.const(weight(hidden, n), "w")]) for n in widths]
+    if consumer == "transposed":  # HF nn.Linear layout [N, K] behind a Transpose
+        w = b.op("Transpose", [b.const(weight(widths[0], hidden), "w")], perm=[1, 0])
+        return [b.op("MatMul", [y, w])]
+    if consumer == "gemm":  # 2-D activations, Gemm transB=1 with bias; Gemm transB=0
+        bias = rng.standard_normal(widths[0]).astype(np.float32)
+        return [
+            b.op("Gemm", [y, b.const(weight(widths[0], hidden), "w"), b.const(bias, "bias")], transB=1),
+            b.op("Gemm", [y, b.const(weight(hidden, widths[1]), "w")], alpha=0.5),
+        ]
+    if consumer == "biased":
+        return [b.op("Add", [b.op("MatMul", [y, b.const(weight(hidden, n), "w")]),
+                             b.const(rng.standard_normal(n).astype(np.float32), "bias")]) for n in widths]
+    raise ValueError(f"unknown consumer layout {consumer!r}; known: {CONSUMERS}")
+
+
+def build_norm_model(spelling: str, rng: np.random.Generator, *, consumer: str = "qkv", hidden: int = 32,
+                     eps: float = 1e-5, weightless: bool = False, rank: int = 3) -> onnx.ModelProto:
+    """`x` → RMSNorm(spelling) → projections. rank 4 is a per-head layout [B, S, H, D]."""
+    b = GraphBuilder(OPSET.get(spelling, 17))
+    b.residual_output = None
+    if consumer == "gemm":
+        rank = 2
+    dims = {2: ["tokens"], 3: ["batch", "seq"], 4: ["batch", "seq", 4]}[rank]
+    x_info = helper.make_tensor_value_info("x", TensorProto.FLOAT, dims + [hidden])
+    inputs = [x_info]
+    gain = None if weightless else _gain_for(spelling, rng, hidden)
+    x, outputs = "x", []
+    if spelling == "legacy_torch":  # the first Cast feeds the norm and the residual Add
+        x = b.op("Cast", ["x"], to=TensorProto.FLOAT)
+    if spelling == "skip_simplified_layernorm":
+        inputs.append(helper.make_tensor_value_info("skip", TensorProto.FLOAT, dims + [hidden]))
+    y = SPELLINGS[spelling](b, x, gain, eps)
+    outputs += _projections(b, y, consumer, rng, hidden)
+    if spelling == "legacy_torch":
+        outputs.append(b.op("Add", [x, b.op("MatMul", [outputs[0], b.const(
+            (rng.standard_normal((48, hidden)) / 7).astype(np.float32), "w_o")])]))
+    if b.residual_output is not None:
+        outputs.append(b.residual_output)
+    return b.model(inputs, outputs)
+
+
+def build_attention_block(rng: np.random.Generator, *, kind: str = "qkv_norm", hidden: int = 32, heads: int = 4,
+                          eps: float = 1e-6, pre_norm: str = "pow_div", dynamic_shape: bool = False) -> onnx.ModelProto:
+    """Pre-attention RMSNorm → q/k/v projections → Reshape [B,S,H,hd] → per-head norms → Transpose.
+
+    kind: 'qkv_norm' (Gemma 4: q_norm, k_norm and a weightless v_norm: cancellable),
+          'gqa_expand' (as qkv_norm, k/v with half the heads repeated by Unsqueeze→Expand→Reshape),
+          'qk_norm' (Qwen3/Gemma 3: V has no norm), 'biased' (q/k/v with bias, per-head norms),
+          'rope_slice' (k path also sliced into a branch with no norm, like MLA's RoPE slice),
+          'rope_between' (q multiplied by a runtime `cos` input before q_norm),
+          'rotary_op' (q and k rotated by opset-23 RotaryEmbedding before their norms: cancellable).
+    pre_norm: the spelling of the pre-attention norm (a key of SPELLINGS).
+    dynamic_shape: Reshape sizes computed from Shape(normalized) as the legacy torch exporter does.
+    """
+    b = GraphBuilder(23 if kind == "rotary_op" else OPSET.get(pre_norm, 17))
+    b.residual_output = None
+    per_head = axes_input if b.opset >= 18 else pow_div
+    head = hidden // heads
+    inputs = [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", "seq", hidden])]
+    if pre_norm == "skip_simplified_layernorm":
+        inputs.append(helper.make_tensor_value_info("skip", TensorProto.FLOAT, ["batch", "seq", hidden]))
+    spelling = axes_input if b.opset >= 18 and pre_norm == "pow_div" else SPELLINGS[pre_norm]
+    y = spelling(b, "x", random_gain(rng, hidden), eps)
+
+    def head_shape(count: int) -> str:
+        if not dynamic_shape:
+            return b.const(np.array([0, 0, count, head], np.int64), "shape")
+        tokens = b.op("Slice", [b.op("Shape", [y]), b.const(np.array([0], np.int64)), b.const(np.array([2], np.int64))])
+        return b.op("Concat", [tokens, b.const(np.array([count, head], np.int64))], axis=0)
+
+    if kind == "rotary_op":
+        angles = np.arange(8)[:, None] / (100.0 ** (np.arange(head // 2) / (head // 2)))
+        cos_cache = b.const(np.cos(angles).astype(np.float32), "cos_cache")
+        sin_cache = b.const(np.sin(angles).astype(np.float32), "sin_cache")
+        inputs.append(helper.make_tensor_value_info("position_ids", TensorProto.INT64, ["batch", "seq"]))
+    outputs = []
+    for role in ("q", "k", "v"):
+        kv_heads = heads // 2 if kind == "gqa_expand" and role != "q" else heads
+        w = b.const((rng.standard_normal((hidden, kv_heads * head)) / np.sqrt(hidden)).astype(np.float32), f"w_{role}")
+        p = b.op("MatMul", [y, w])
+        if kind == "biased":
+            p = b.op("Add", [p, b.const(rng.standard_normal(kv_heads * head).astype(np.float32), f"b_{role}")])
+        if kind == "rope_slice" and role == "k":
+            outputs.append(b.op("Slice", [p, b.const(np.array([0], np.int64)), b.const(np.array([head], np.int64)),
+                                          b.const(np.array([-1], np.int64))]))
+        if kind == "rotary_op" and role != "v":  # opset-23 RotaryEmbedding: a rotation per token
+            p = b.op("RotaryEmbedding", [p, cos_cache, sin_cache, "position_ids"], num_heads=kv_heads)
+        h = b.op("Reshape", [p, head_shape(kv_heads)])
+        if kv_heads != heads:  # repeat_kv: [B,S,kv,hd] → [B,S,kv,2,hd] → [B,S,H,hd]
+            h = b.op("Unsqueeze", [h, b.const(np.array([3], np.int64))])
+            h = b.op("Expand", [h, b.const(np.array([1, 1, 1, heads // kv_heads, 1], np.int64))])
+            h = b.op("Reshape", [h, b.const(np.array([0, 0, heads, head], np.int64))])
+        if kind == "rope_between" and role == "q":  # a rotation with runtime angles before q_norm
+            h = b.op("Mul", [h, "cos"])
+
+        if role == "v" and kind == "qk_norm":
+            n = h
+        else:
+            n = per_head(b, h, None if role == "v" else random_gain(rng, head), eps)
+        outputs.append(b.op("Transpose", [n], perm=[0, 2, 1, 3]))
+    if kind == "rope_between":
+        inputs.append(helper.make_tensor_value_info("cos", TensorProto.FLOAT, [1, 1, 1, head]))
+    if b.residual_output is not None:
+        outputs.append(b.residual_output)
+    return b.model(inputs, outputs)
+
+
+def feeds(model: onnx.ModelProto, rng: np.random.Generator, batch: int = 2, seq: int = 5) -> dict[str, np.ndarray]:
+    """Random inputs for every graph input: symbolic dims take batch/seq (or tokens=batch·seq)."""
+    result = {}
+    for value in model.graph.input:
+        dims = []
+        for i, d in enumerate(value.type.tensor_type.shape.dim):
+            if d.HasField("dim_value"):
+                dims.append(d.dim_value)
+            else:
+                dims.append({"batch": batch, "seq": seq, "tokens": batch * seq}.get(d.dim_param, 3))
+        dtype = helper.tensor_dtype_to_np_dtype(value.type.tensor_type.elem_type)
+        if np.issubdtype(dtype, np.integer):  # token ids, positions: small non-negative
+            result[value.name] = rng.integers(0, 8, dims).astype(dtype)
+        else:
+            result[value.name] = (rng.standard_normal(dims) * rng.uniform(0.5, 2.0) + 0.1).astype(dtype)
+    return result
+
+
+def run(model: onnx.ModelProto | str, inputs: dict[str, np.ndarray]) -> list[np.ndarray]:
+    """Run in ONNX Runtime on CPU with graph optimizations on (as a user would)."""
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    options.log_severity_level = 3
+    source = model if isinstance(model, str) else model.SerializeToString()
+    session = ort.InferenceSession(source, options, providers=["CPUExecutionProvider"])
+    return session.run(None, inputs)
+
+
+def relative_error(actual: np.ndarray, expected: np.ndarray) -> float:
+    return float(np.max(np.abs(actual.astype(np.float64) - expected)) / np.max(np.abs(expected)))

@@ -1,0 +1,189 @@
+"""The `flashnorm` command-line framework: bad input ends in one line and a non-zero exit,
+reports come out as text or JSON, and `--help` stays free of heavy imports."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+import types
+
+import pytest
+
+from flashnorm import cli
+from flashnorm.errors import FlashNormError
+from flashnorm.progress import Progress
+
+
+@pytest.fixture
+def tool(monkeypatch):
+    """Registers a command `probe` whose behaviour each test sets through `tool.action`."""
+    module = types.ModuleType("flashnorm.tools.probe")
+
+    def add_arguments(parser):
+        parser.add_argument("value", type=float)
+
+    def run(args):
+        return module.action(args)
+
+    module.add_arguments, module.run = add_arguments, run
+    monkeypatch.setitem(sys.modules, "flashnorm.tools.probe", module)
+    monkeypatch.setitem(cli.COMMANDS, "probe", ("probe", "test command"))
+    monkeypatch.setattr(Progress, "enabled", True)
+    return module
+
+
+def _raise(exc):
+    def action(args):
+        raise exc
+    return action
+
+
+def test_flashnorm_error_is_one_line_and_exit_2(tool, capsys):
+    tool.action = _raise(FlashNormError("model file x.onnx does not exist"))
+    assert cli.main(["probe", "1"]) == 2
+    captured = capsys.readouterr()
+    assert captured.err == "flashnorm probe: error: model file x.onnx does not exist\n"
+    assert captured.out == ""
+
+
+def test_os_error_is_one_line(tool, capsys):
+    tool.action = _raise(OSError(28, "No space left on device", "out.onnx.data"))
+    assert cli.main(["probe", "1"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "No space left on device" in err and "Traceback" not in err
+
+
+def test_interrupt_exits_130(tool, capsys):
+    tool.action = _raise(KeyboardInterrupt())
+    assert cli.main(["probe", "1"]) == 130
+    assert capsys.readouterr().err == "flashnorm probe: interrupted\n"
+
+
+def test_programming_errors_are_not_hidden(tool):
+    tool.action = _raise(ZeroDivisionError("a bug"))
+    with pytest.raises(ZeroDivisionError):
+        cli.main(["probe", "1"])
+
+
+@pytest.mark.parametrize("argv", [[], ["no-such-command"], ["probe"], ["probe", "not-a-number"], ["probe", "1", "--bogus"]])
+def test_bad_arguments_exit_2_with_usage(tool, capsys, argv):
+    tool.action = lambda args: pytest.fail("must not run")
+    with pytest.raises(SystemExit) as excinfo:
+        cli.main(argv)
+    assert excinfo.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("usage: flashnorm") and "error:" in err
+
+
+def test_report_as_text_json_and_file(tool, capsys, tmp_path, rng):
+    value = float(rng.uniform(1, 2))
+    capsys.readouterr()  # drop the fixture's seed line
+    tool.action = lambda args: {"passed": True, "value": args.value, "counts": {"folded": 3}, "sites": ["a", "b"]}
+    assert cli.main(["probe", str(value)]) == 0
+    text = capsys.readouterr().out.splitlines()
+    assert text == ["passed: True", f"value: {value}", "counts: folded=3", "sites: a, b"]
+
+    assert cli.main(["probe", str(value), "--report", "-"]) == 0
+    assert json.loads(capsys.readouterr().out)["value"] == value
+
+    path = tmp_path / "report.json"
+    assert cli.main(["probe", str(value), "--report", str(path), "-q"]) == 0
+    assert capsys.readouterr().out == ""
+    assert json.loads(path.read_text())["counts"] == {"folded": 3}
+
+
+def test_quiet_silences_progress(tool, capsys):
+    def action(args):
+        Progress("work", total=1, interval=0.0).finish()
+        return {"passed": True}
+
+    tool.action = action
+    assert cli.main(["probe", "1"]) == 0
+    assert "work: 0/1" in capsys.readouterr().err
+    assert cli.main(["probe", "1", "-q"]) == 0
+    assert capsys.readouterr() == ("", "")
+
+
+def test_failed_report_exits_1(tool, capsys):
+    tool.action = lambda args: {"passed": False, "reason": "logits differ"}
+    assert cli.main(["probe", "1"]) == 1
+    assert "passed: False" in capsys.readouterr().out
+
+
+def test_report_into_missing_directory(tool, capsys, tmp_path):
+    tool.action = lambda args: {"passed": True}
+    assert cli.main(["probe", "1", "--report", str(tmp_path / "missing" / "r.json")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("flashnorm probe: error: cannot write") and err.count("\n") == 1
+
+
+def test_missing_optional_dependency_is_one_line(monkeypatch, capsys):
+    monkeypatch.setitem(cli.COMMANDS, "needs-missing", ("needs_missing", "test command"))
+    real_import = importlib.import_module
+
+    def import_module(name, *args):
+        if name == "flashnorm.tools.needs_missing":  # as if its top does `import tensorrt_absent`
+            raise ModuleNotFoundError("No module named 'tensorrt_absent'", name="tensorrt_absent")
+        return real_import(name, *args)
+
+    monkeypatch.setattr(cli.importlib, "import_module", import_module)
+    assert cli.main(["needs-missing"]) == 2
+    assert capsys.readouterr().err == (
+        "flashnorm needs-missing: error: command 'needs-missing' needs the 'tensorrt_absent' package\n"
+    )
+
+
+def test_unwritten_command_is_one_line(monkeypatch, capsys):
+    monkeypatch.setitem(cli.COMMANDS, "unwritten", ("no_such_tool_module", "test command"))
+    assert cli.main(["unwritten"]) == 2
+    assert capsys.readouterr().err == "flashnorm unwritten: error: command 'unwritten' is not available in this installation\n"
+
+
+def test_help_imports_no_heavy_dependency():
+    code = (
+        "import sys\n"
+        "from flashnorm import cli\n"
+        "try:\n    cli.main(['--help'])\nexcept SystemExit as e:\n    assert e.code == 0\n"
+        "heavy = [m for m in ('torch', 'transformers', 'onnxruntime', 'tensorrt', 'tritonclient') if m in sys.modules]\n"
+        "print('HEAVY', heavy)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert "HEAVY []" in out
+    for command in cli.COMMANDS:
+        assert command in out
+
+
+@pytest.mark.parametrize("command", ["inspect", "optimize"])
+def test_model_commands_reject_missing_model(command, tmp_path):
+    """The real commands that read a model: a missing file is one line on stderr, exit 2."""
+    if importlib.util.find_spec(f"flashnorm.tools.{command}") is None:
+        pytest.skip(f"flashnorm.tools.{command} is not written yet")
+    missing = tmp_path / "missing.onnx"
+    argv = [command, str(missing)] + (["-o", str(tmp_path / "out.onnx")] if command == "optimize" else [])
+    result = subprocess.run([sys.executable, "-m", "flashnorm.cli", *argv], capture_output=True, text=True)
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.count("\n") == 1 and "missing.onnx" in result.stderr, result.stderr
+    assert not (tmp_path / "out.onnx").exists()
+
+
+def test_command_formats_its_own_text(tool, capsys):
+    tool.action = lambda args: {"passed": True, "norm_sites": 61}
+    tool.format_text = lambda report: f"{report['norm_sites']} RMSNorm sites"
+    assert cli.main(["probe", "1"]) == 0
+    assert capsys.readouterr().out.endswith("61 RMSNorm sites\n")
+
+
+@pytest.mark.parametrize("content, message", [(b"\x08\x07 not a protobuf \xff\xfe" * 30, "not an ONNX model"),
+                                              (b"", "not an ONNX model")])
+def test_optimize_rejects_a_file_that_is_not_onnx(tmp_path, content, message):
+    if importlib.util.find_spec("flashnorm.tools.optimize") is None:
+        pytest.skip("flashnorm.tools.optimize is not written yet")
+    junk = tmp_path / "junk.onnx"
+    junk.write_bytes(content)
+    result = subprocess.run([sys.executable, "-m", "flashnorm.cli", "optimize", str(junk), "-o", str(tmp_path / "o.onnx")],
+                            capture_output=True, text=True)
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.count("\n") == 1 and message in result.stderr, result.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["junk.onnx"]

@@ -1,0 +1,512 @@
+"""flashnorm.io: load/save with external data, atomic writes, one-line errors for bad input."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnx_graphsurgeon as gs
+import onnxruntime as ort
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from flashnorm import io
+from flashnorm.errors import FlashNormError
+
+HIDDEN, FFN = 256, 1024
+
+
+def _digest(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def _weights(rng: np.random.Generator) -> dict[str, np.ndarray]:
+    """A norm gain, three projections (~2.5 MB in all) and a tiny shape tensor."""
+    return {
+        "gain": (1.0 + 0.5 * rng.standard_normal(HIDDEN)).astype(np.float32),
+        "w_up": rng.standard_normal((HIDDEN, FFN)).astype(np.float32) / 16,
+        "w_down": rng.standard_normal((FFN, HIDDEN)).astype(np.float32) / 32,
+        "w_half": rng.standard_normal((HIDDEN, HIDDEN)).astype(np.float16),
+        "shape": np.array([-1, HIDDEN], dtype=np.int64),
+    }
+
+
+def _model(weights: dict[str, np.ndarray]) -> onnx.ModelProto:
+    """x → RMS-normalise (decomposed) · gain → up → Relu → down, plus an fp16 branch, a
+    model-local function in a custom domain, and model metadata."""
+    scale_fn = helper.make_function(
+        "flashnorm.test", "Scale", ["a", "b"], ["c"], [helper.make_node("Mul", ["a", "b"], ["c"])],
+        [helper.make_opsetid("", 17)],
+    )
+    nodes = [
+        helper.make_node("Mul", ["x", "x"], ["sq"]),
+        helper.make_node("ReduceMean", ["sq"], ["ms"], axes=[-1], keepdims=1),
+        helper.make_node("Add", ["ms", "eps"], ["mse"]),
+        helper.make_node("Sqrt", ["mse"], ["rms"]),
+        helper.make_node("Div", ["x", "rms"], ["xn"]),
+        helper.make_node("Scale", ["xn", "gain"], ["xg"], domain="flashnorm.test"),
+        helper.make_node("MatMul", ["xg", "w_up"], ["up"]),
+        helper.make_node("Relu", ["up"], ["act"]),
+        helper.make_node("MatMul", ["act", "w_down"], ["down"]),
+        helper.make_node("Reshape", ["down", "shape"], ["y"]),
+        helper.make_node("Cast", ["xg"], ["xh"], to=TensorProto.FLOAT16),
+        helper.make_node("MatMul", ["xh", "w_half"], ["z"]),
+    ]
+    initializers = [numpy_helper.from_array(v, k) for k, v in weights.items()]
+    initializers.append(numpy_helper.from_array(np.array(1e-5, dtype=np.float32), "eps"))
+    graph = helper.make_graph(
+        nodes, "io_test",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", HIDDEN])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", HIDDEN]),
+         helper.make_tensor_value_info("z", TensorProto.FLOAT16, ["batch", HIDDEN])],
+        initializers,
+    )
+    model = helper.make_model(
+        graph, functions=[scale_fn], producer_name="flashnorm-tests", producer_version="7",
+        opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("flashnorm.test", 1)],
+    )
+    model.ir_version = 8
+    model.doc_string = "io round trip"
+    helper.set_model_props(model, {"source": "tests/test_io.py"})
+    return model
+
+
+def _save_external(model: onnx.ModelProto, path: Path, location: str) -> None:
+    onnx.save(model, str(path), save_as_external_data=True, location=location, size_threshold=1024)
+
+
+def _run(path: Path, x: np.ndarray) -> list[np.ndarray]:
+    return ort.InferenceSession(str(path), providers=["CPUExecutionProvider"]).run(None, {"x": x})
+
+
+def _constant(graph, name: str):
+    return graph.tensors()[name]
+
+
+def _leftovers(directory: Path) -> list[str]:
+    return sorted(p.name for p in directory.iterdir() if p.name.endswith(".tmp"))
+
+
+@pytest.fixture
+def external_model(tmp_path, rng):
+    weights = _weights(rng)
+    source = tmp_path / "in" / "model.onnx"
+    source.parent.mkdir()
+    _save_external(_model(weights), source, "weights.bin")
+    return source, weights
+
+
+def test_external_round_trip_modify_one_tensor(external_model, tmp_path, rng):
+    source, weights = external_model
+    data = source.with_name("weights.bin")
+    before = (_digest(source), _digest(data))
+
+    graph = io.load(source)
+    up = _constant(graph, "w_up")
+    assert isinstance(up._values, io.ExternalValues)
+    gain = rng.uniform(0.5, 2.0, HIDDEN).astype(np.float32)
+    up.values = up.values * gain[:, None]  # the fold pass's edit: scale row k by g[k]
+    out = tmp_path / "out" / "model.onnx"
+    out.parent.mkdir()
+    io.save(graph, out)
+
+    assert (_digest(source), _digest(data)) == before, "the input model or its data changed"
+    assert sorted(p.name for p in out.parent.iterdir()) == ["model.onnx", "model.onnx.data"]
+
+    expected_weights = dict(weights, w_up=weights["w_up"] * gain[:, None])
+    reference = tmp_path / "reference.onnx"
+    onnx.save(_model(expected_weights), str(reference))
+    x = rng.standard_normal((3, HIDDEN)).astype(np.float32)
+    for got, want in zip(_run(out, x), _run(reference, x)):
+        np.testing.assert_array_equal(got, want)
+
+    saved = onnx.load(str(out), load_external_data=False)
+    locations = {t.name: {e.key: e.value for e in t.external_data} for t in saved.graph.initializer}
+    assert {n for n, e in locations.items() if e} == {"gain", "w_up", "w_down", "w_half"}
+    assert all(e["location"] == "model.onnx.data" for e in locations.values() if e)
+    assert not locations["shape"] and not locations["eps"], "tiny tensors stay inside the model"
+    assert int(locations["w_up"]["offset"]) % 65536 == 0
+    onnx.checker.check_model(str(out), full_check=True)
+
+
+def test_load_keeps_model_fields_and_lazy_values_read_once(external_model):
+    source, weights = external_model
+    graph = io.load(source)
+    down = _constant(graph, "w_down")
+    lazy = down._values
+    np.testing.assert_array_equal(down.values, weights["w_down"])
+    np.testing.assert_array_equal(_constant(graph, "w_half").values, weights["w_half"])
+    assert not lazy.tensor.HasField("raw_data"), "reading a weight must not keep a second copy in the proto"
+
+    out = source.with_name("copy.onnx")
+    io.save(graph, out)
+    saved, original = onnx.load(str(out), load_external_data=False), onnx.load(str(source), load_external_data=False)
+    assert saved.ir_version == original.ir_version == 8
+    assert (saved.producer_name, saved.producer_version) == ("flashnorm-tests", "7")
+    assert saved.doc_string == "io round trip"
+    assert {p.key: p.value for p in saved.metadata_props} == {"source": "tests/test_io.py"}
+    assert {(o.domain, o.version) for o in saved.opset_import} == {("", 17), ("flashnorm.test", 1)}
+    assert [(f.domain, f.name) for f in saved.functions] == [("flashnorm.test", "Scale")]
+
+
+def test_unchanged_tensors_are_copied_byte_for_byte(external_model):
+    source, weights = external_model
+    graph = io.load(source)
+    out = source.with_name("same.onnx")
+    io.save(graph, out)
+    saved = onnx.load(str(out))
+    for name, values in weights.items():
+        stored = next(t for t in saved.graph.initializer if t.name == name)
+        assert numpy_helper.to_array(stored).tobytes() == values.tobytes(), name
+
+
+def test_save_over_the_input_itself(external_model, rng):
+    source, weights = external_model
+    graph = io.load(source)
+    io.save(graph, source)  # weights.bin → model.onnx.data, same model path
+    graph = io.load(source)
+    up = _constant(graph, "w_up")
+    up.values = up.values * 3.0
+    io.save(graph, source)  # now the input's own data file is replaced while it is read
+    assert _leftovers(source.parent) == []
+
+    x = rng.standard_normal((2, HIDDEN)).astype(np.float32)
+    reference = source.with_name("reference.onnx")
+    onnx.save(_model(dict(weights, w_up=weights["w_up"] * 3.0)), str(reference))
+    for got, want in zip(_run(source, x), _run(reference, x)):
+        np.testing.assert_array_equal(got, want)
+    # Lazily loaded constants of the saved graph now read from the new data file.
+    np.testing.assert_array_equal(_constant(graph, "w_down").values, weights["w_down"])
+    np.testing.assert_array_equal(_constant(graph, "w_up").values, weights["w_up"] * 3.0)
+
+
+def test_refuses_to_replace_another_models_data(tmp_path, rng):
+    weights = _weights(rng)
+    source = tmp_path / "a.onnx"
+    _save_external(_model(weights), source, "b.onnx.data")
+    graph = io.load(source)
+    before = _digest(tmp_path / "b.onnx.data")
+    with pytest.raises(FlashNormError, match="b.onnx.data"):
+        io.save(graph, tmp_path / "b.onnx")
+    assert _digest(tmp_path / "b.onnx.data") == before
+    assert not (tmp_path / "b.onnx").exists() and _leftovers(tmp_path) == []
+
+
+def test_failed_save_leaves_previous_files_untouched(external_model, monkeypatch, rng):
+    source, _ = external_model
+    graph = io.load(source)
+    out = source.with_name("out.onnx")
+    io.save(graph, out)
+    before = (_digest(out), _digest(out.with_name("out.onnx.data")))
+
+    up = _constant(graph, "w_up")
+    up.values = up.values * 2.0
+    calls = {"n": 0}
+    real_copy = io._copy_range
+
+    def copy_then_fail(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 2:  # half-way through the data file
+            raise OSError(28, "No space left on device")
+        real_copy(*args, **kwargs)
+
+    monkeypatch.setattr(io, "_copy_range", copy_then_fail)
+    with pytest.raises(OSError):
+        io.save(graph, out)
+    assert (_digest(out), _digest(out.with_name("out.onnx.data"))) == before
+    assert _leftovers(out.parent) == []
+    # The graph is intact after the failure and saves fine once the disk is back.
+    monkeypatch.setattr(io, "_copy_range", real_copy)
+    io.save(graph, out)
+    np.testing.assert_array_equal(_constant(io.load(out), "w_up").values, up.values)
+
+
+def test_inline_models_stay_inline_and_round_trip(tmp_path, rng):
+    weights = _weights(rng)
+    source = tmp_path / "inline.onnx"
+    onnx.save(_model(weights), str(source))
+    graph = io.load(source)
+    out = tmp_path / "inline_out.onnx"
+    io.save(graph, out)
+    assert not out.with_name("inline_out.onnx.data").exists()
+    onnx.checker.check_model(str(out), full_check=True)
+    x = rng.standard_normal((4, HIDDEN)).astype(np.float32)
+    for got, want in zip(_run(out, x), _run(source, x)):
+        np.testing.assert_array_equal(got, want)
+
+
+def test_external_model_saved_inline_on_request(external_model, rng):
+    source, _ = external_model
+    graph = io.load(source)
+    half = _constant(graph, "w_half")
+    half.values = (half.values * np.float16(0.5)).astype(np.float16)
+    out = source.with_name("inline.onnx")
+    io.save(graph, out, external_data=False)
+    assert not out.with_name("inline.onnx.data").exists()
+    saved = onnx.load(str(out), load_external_data=False)
+    assert not any(t.external_data for t in saved.graph.initializer)
+    x = rng.standard_normal((2, HIDDEN)).astype(np.float32)
+    ref_graph = io.load(source)
+    _constant(ref_graph, "w_half").values = half.values
+    reference = source.with_name("reference.onnx")
+    io.save(ref_graph, reference, external_data=True)
+    for got, want in zip(_run(out, x), _run(reference, x)):
+        np.testing.assert_array_equal(got, want)
+
+
+def test_large_in_memory_graph_goes_external_automatically(tmp_path, monkeypatch, rng):
+    weights = _weights(rng)
+    source = tmp_path / "inline.onnx"
+    onnx.save(_model(weights), str(source))
+    graph = io.load(source)
+    monkeypatch.setattr(io, "EXTERNAL_DATA_THRESHOLD", sum(v.nbytes for v in weights.values()) // 2)
+    io.save(graph, tmp_path / "auto.onnx")
+    assert (tmp_path / "auto.onnx.data").exists()
+
+
+def test_inline_save_over_protobuf_limit_is_refused(tmp_path, monkeypatch, rng):
+    source = tmp_path / "inline.onnx"
+    onnx.save(_model(_weights(rng)), str(source))
+    graph = io.load(source)
+    monkeypatch.setattr(io, "_TWO_GIB", 1 << 20)
+    with pytest.raises(FlashNormError, match="external data"):
+        io.save(graph, tmp_path / "big.onnx", external_data=False)
+    assert not (tmp_path / "big.onnx").exists() and _leftovers(tmp_path) == []
+
+
+def test_subgraph_initializers_round_trip(tmp_path, rng):
+    w_then = rng.standard_normal((8, 300)).astype(np.float32)
+    w_else = rng.standard_normal((8, 300)).astype(np.float32)
+
+    def branch(name, w):
+        return helper.make_graph(
+            [helper.make_node("MatMul", ["x", f"w_{name}"], [f"y_{name}"])], name, [],
+            [helper.make_tensor_value_info(f"y_{name}", TensorProto.FLOAT, [2, 300])],
+            [numpy_helper.from_array(w, f"w_{name}")],
+        )
+
+    graph = helper.make_graph(
+        [helper.make_node("If", ["cond"], ["y"], then_branch=branch("then", w_then), else_branch=branch("else", w_else))],
+        "if_test",
+        [helper.make_tensor_value_info("cond", TensorProto.BOOL, []),
+         helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 8])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 300])],
+    )
+    source = tmp_path / "if.onnx"
+    _save_external(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), source, "if.bin")
+    loaded = io.load(source)
+    out = tmp_path / "if_out.onnx"
+    io.save(loaded, out)
+    session = ort.InferenceSession(str(out), providers=["CPUExecutionProvider"])
+    x = rng.standard_normal((2, 8)).astype(np.float32)
+    for cond, w in ((True, w_then), (False, w_else)):
+        (y,) = session.run(None, {"cond": np.array(cond), "x": x})
+        np.testing.assert_allclose(y, x.astype(np.float64) @ w, rtol=1e-5, atol=1e-5)
+
+
+# ---------------------------------------------------------------------------------------------
+# Bad input: one-line FlashNormError naming the file
+
+
+def _assert_one_line(excinfo, *fragments: str) -> None:
+    message = str(excinfo.value)
+    assert "\n" not in message
+    for fragment in fragments:
+        assert fragment in message, (fragment, message)
+
+
+def test_missing_file(tmp_path):
+    with pytest.raises(FlashNormError) as excinfo:
+        io.load(tmp_path / "nope.onnx")
+    _assert_one_line(excinfo, "nope.onnx", "does not exist")
+
+
+def test_directory_instead_of_file(tmp_path):
+    with pytest.raises(FlashNormError) as excinfo:
+        io.load(tmp_path)
+    _assert_one_line(excinfo, "not a file")
+
+
+@pytest.mark.parametrize("content", [b"", b"\x08\x07 not a protobuf \xff\xfe\x00" * 40, b"ir_version: 8\n"])
+def test_not_an_onnx_file(tmp_path, content):
+    path = tmp_path / "junk.onnx"
+    path.write_bytes(content)
+    with pytest.raises(FlashNormError) as excinfo:
+        io.load(path)
+    _assert_one_line(excinfo, "junk.onnx")
+    assert "not an ONNX model" in str(excinfo.value) or "not a valid ONNX model" in str(excinfo.value)
+
+
+def test_checker_rejects_model(tmp_path):
+    graph = helper.make_graph(
+        [helper.make_node("MatMul", ["x", "undefined_weight"], ["y"])], "bad",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 4])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 4])],
+    )
+    path = tmp_path / "invalid.onnx"
+    path.write_bytes(helper.make_model(graph).SerializeToString())
+    with pytest.raises(FlashNormError) as excinfo:
+        io.load(path)
+    _assert_one_line(excinfo, "invalid.onnx", "not a valid ONNX model", "undefined_weight")
+
+
+def test_missing_external_data(external_model):
+    source, _ = external_model
+    source.with_name("weights.bin").unlink()
+    with pytest.raises(FlashNormError) as excinfo:
+        io.load(source)
+    _assert_one_line(excinfo, "weights.bin")
+
+
+def test_truncated_external_data(external_model):
+    source, _ = external_model
+    data = source.with_name("weights.bin")
+    os.truncate(data, data.stat().st_size // 2)
+    with pytest.raises(FlashNormError) as excinfo:
+        io.load(source)
+    _assert_one_line(excinfo, "weights.bin", "truncated")
+
+
+def test_unreadable_external_data(external_model, monkeypatch):
+    source, _ = external_model
+    data = source.with_name("weights.bin")
+    real_access = os.access
+    # chmod alone does not stop root, so deny read access the way the OS would report it.
+    monkeypatch.setattr(os, "access", lambda p, mode: False if Path(p) == data else real_access(p, mode))
+    with pytest.raises(FlashNormError) as excinfo:
+        io.load(source)
+    _assert_one_line(excinfo, "weights.bin", "not readable")
+
+
+def test_save_into_missing_directory(external_model, tmp_path):
+    source, _ = external_model
+    graph = io.load(source)
+    with pytest.raises(FlashNormError) as excinfo:
+        io.save(graph, tmp_path / "no" / "such" / "dir" / "m.onnx")
+    _assert_one_line(excinfo, "does not exist")
+
+
+def test_derived_values_are_computed_while_saving(external_model, tmp_path, rng):
+    """A pass describes W* = diag(g)·W without computing it; save computes, writes, frees."""
+    source, weights = external_model
+    graph = io.load(source)
+    gain = rng.uniform(0.5, 2.0, HIDDEN)
+    calls = {"n": 0}
+
+    def fold(w):
+        calls["n"] += 1
+        return (w.astype(np.float64) * gain[:, None]).astype(w.dtype)
+
+    for name in ("w_up", "w_half"):
+        weight = _constant(graph, name)
+        folded = gs.Constant(f"{name}.folded", io.DerivedValues(weight, fold))
+        assert folded.shape == list(weights[name].shape) and folded.dtype == weights[name].dtype
+        for node in list(weight.outputs):
+            node.inputs[node.inputs.index(weight)] = folded
+    assert calls["n"] == 0, "describing the change must not compute it"
+    # A tiny derived tensor (kept inside the model) and a derived tensor of a new dtype.
+    eps = _constant(graph, "eps")
+    eps_node = eps.outputs[0]
+    eps_node.inputs[eps_node.inputs.index(eps)] = gs.Constant("eps.derived", io.DerivedValues(eps, lambda e: e * 2))
+
+    out = tmp_path / "derived.onnx"
+    io.save(graph, out)
+    assert calls["n"] == 2
+    assert isinstance(_constant(graph, "w_up.folded")._values, io.ExternalValues), "rebound to the saved data"
+
+    expected = dict(weights, w_up=fold(weights["w_up"]), w_half=fold(weights["w_half"]))
+    calls["n"] = 0
+    saved = io.load(out)
+    np.testing.assert_array_equal(_constant(saved, "w_up.folded").values, expected["w_up"])
+    np.testing.assert_array_equal(_constant(saved, "w_half.folded").values, expected["w_half"])
+    np.testing.assert_array_equal(_constant(saved, "eps.derived").values, np.float32(2e-5))
+    assert calls["n"] == 0
+
+    inline = tmp_path / "derived_inline.onnx"
+    io.save(graph, inline, external_data=False)
+    np.testing.assert_array_equal(_constant(io.load(inline), "w_up.folded").values, expected["w_up"])
+
+
+def test_derived_values_check_their_declared_shape(external_model):
+    source, _ = external_model
+    graph = io.load(source)
+    bad = io.DerivedValues(_constant(graph, "w_up"), lambda w: w.T)
+    with pytest.raises(ValueError, match="declared"):
+        bad.load()
+
+
+def test_copy_without_kernel_support(external_model, monkeypatch, rng):
+    """Where copy_file_range is refused (other file system, old kernel), pread/write copies."""
+    source, weights = external_model
+
+    def refuse(*args, **kwargs):
+        raise OSError(18, "Invalid cross-device link")
+
+    monkeypatch.setattr(os, "copy_file_range", refuse, raising=False)
+    out = source.with_name("fallback.onnx")
+    io.save(io.load(source), out)
+    saved = io.load(out)
+    for name, values in weights.items():
+        np.testing.assert_array_equal(_constant(saved, name).values, values)
+
+
+def _single_matmul(weight: TensorProto) -> onnx.ModelProto:
+    graph = helper.make_graph(
+        [helper.make_node("MatMul", ["x", "W"], ["y"])], "one",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 4])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 4])], [weight],
+    )
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+@pytest.mark.parametrize("size", [7, 65])
+def test_raw_data_size_must_match_shape(tmp_path, size):
+    path = tmp_path / "short.onnx"
+    weight = TensorProto(name="W", dims=[4, 4], data_type=TensorProto.FLOAT, raw_data=b"\x01" * size)
+    path.write_bytes(_single_matmul(weight).SerializeToString())
+    with pytest.raises(FlashNormError) as excinfo:
+        io.load(path)
+    _assert_one_line(excinfo, "short.onnx", "'W'", f"{size} bytes", "need 64")
+
+
+@pytest.mark.parametrize("location", ["/etc/passwd", "../outside.bin"])
+def test_external_data_must_stay_beside_the_model(tmp_path, location):
+    path = tmp_path / "escape.onnx"
+    weight = TensorProto(name="W", dims=[4, 4], data_type=TensorProto.FLOAT, data_location=TensorProto.EXTERNAL)
+    weight.external_data.add(key="location", value=location)
+    path.write_bytes(_single_matmul(weight).SerializeToString())
+    with pytest.raises(FlashNormError) as excinfo:
+        io.load(path)
+    _assert_one_line(excinfo, location, "relative path")
+
+
+def test_refuses_to_replace_data_a_derived_tensor_reads(tmp_path, rng):
+    source = tmp_path / "a.onnx"
+    weight = numpy_helper.from_array(rng.standard_normal((4, 4)).astype(np.float32), "W")
+    onnx.save(_single_matmul(weight), str(source), save_as_external_data=True, location="b.onnx.data", size_threshold=0)
+    graph = io.load(source)
+    w = _constant(graph, "W")
+    node = w.outputs[0]
+    node.inputs[1] = gs.Constant("W.scaled", io.DerivedValues(w, lambda values: values * 2))
+    assert not any(isinstance(c._values, io.ExternalValues) for c in graph.tensors().values() if isinstance(c, gs.Constant))
+    with pytest.raises(FlashNormError, match="b.onnx.data"):
+        io.save(graph, tmp_path / "b.onnx")
+    io.save(graph, tmp_path / "c.onnx")
+    np.testing.assert_array_equal(_constant(io.load(tmp_path / "c.onnx"), "W.scaled").values,
+                                  numpy_helper.to_array(weight) * 2)
+
+
+def test_written_files_get_ordinary_permissions(external_model, tmp_path):
+    """Temporary files are private (mkstemp: 0600); the files they become are not."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    source, _ = external_model
+    out = tmp_path / "perm.onnx"
+    io.save(io.load(source), out)
+    with io.atomic_write(tmp_path / "report.json", "w") as handle:
+        handle.write("{}")
+    for path in (out, out.with_name("perm.onnx.data"), tmp_path / "report.json"):
+        assert path.stat().st_mode & 0o777 == 0o666 & ~mask, path

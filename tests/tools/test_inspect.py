@@ -1,0 +1,84 @@
+"""`flashnorm inspect`: every site with spelling, eps, gain statistics, consumers, and
+whether fold and cancel apply (and why not)."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper
+
+from flashnorm import cli
+from synthetic import GraphBuilder, build_attention_block, build_norm_model, random_gain
+
+
+def test_text_table_lists_sites_and_reasons(tmp_path, rng, capsys):
+    path = tmp_path / "block.onnx"
+    onnx.save(build_attention_block(rng, kind="qk_norm"), path)
+    assert cli.main(["inspect", str(path)]) == 0
+    out = capsys.readouterr().out
+    lines = out.splitlines()
+    assert lines[0].split()[:4] == ["#", "site", "spelling", "eps"]
+    assert sum(1 for line in lines if " decomposed " in line) == 3
+    assert "#0 cancel: path reaches graph output" in out  # QK-only: V has no downstream norm
+    assert "not a linear op with a constant weight" in out  # per-head norms feed a Transpose
+    assert "3 sites, 1 foldable, 0 cancellable, 1 deferrable after fold" in out
+
+
+def test_json_report_has_every_field(tmp_path, rng, capsys):
+    path = tmp_path / "block.onnx"
+    onnx.save(build_attention_block(rng, kind="qkv_norm"), path)
+    assert cli.main(["inspect", str(path), "--report", "-"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["norm_sites"] == 4 and report["foldable"] == 1 and report["cancellable"] == 1
+    assert report["deferrable"] == 1 and not report["sites"][1]["defer"]["applies"]
+    first = report["sites"][0]
+    assert first["spelling"] == "decomposed" and first["gain_convention"] == "w"
+    assert first["eps"] == np.float32(1e-6).item()
+    assert first["gain"]["negatives"] > 0 and first["gain"]["min"] < 0 < first["gain"]["max"]
+    assert [c.split()[0] for c in first["consumers"]] == ["MatMul"] * 3
+    assert first["fold"]["applies"] and first["cancel"]["applies"] and len(first["cancel"]["downstream"]) == 3
+    v_norm = report["sites"][3]
+    assert v_norm["gain"] is None and v_norm["weightless"] and not v_norm["fold"]["applies"]
+
+
+def test_gemma_convention_and_report_file(tmp_path, rng, capsys):
+    path, report_path = tmp_path / "gemma.onnx", tmp_path / "r.json"
+    onnx.save(build_norm_model("gemma_add_one", rng), path)
+    assert cli.main(["inspect", str(path), "--report", str(report_path), "-q"]) == 0
+    assert capsys.readouterr().out == ""
+    (site,) = json.loads(report_path.read_text())["sites"]
+    assert site["gain_convention"] == "1+w" and site["fold"]["applies"]
+
+
+def test_model_without_rmsnorm_lists_near_misses(tmp_path, rng, capsys):
+    b = GraphBuilder(17)
+    y = b.op("LayerNormalization", ["x", b.const(random_gain(rng, 8)), b.const(np.zeros(8, np.float32))])
+    path = tmp_path / "ln.onnx"
+    onnx.save(b.model([helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", 8])], [y]), path)
+    assert cli.main(["inspect", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "no RMSNorm sites found" in out and "rejected LayerNormalization" in out
+
+
+def test_not_onnx_is_one_line(tmp_path, capsys):
+    path = tmp_path / "x.onnx"
+    path.write_text("hello")
+    assert cli.main(["inspect", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "not an ONNX model" in err
+
+
+def test_inspect_changes_nothing(rng):
+    import onnx_graphsurgeon as gs
+
+    from flashnorm.tools.inspect import inspect_graph
+
+    model = build_attention_block(rng, kind="qkv_norm", dynamic_shape=True)
+    del model.graph.value_info[:]
+    graph = gs.import_onnx(model)
+    before = gs.export_onnx(graph).SerializeToString()
+    report = inspect_graph(graph)
+    assert report["foldable"] == 1 and report["cancellable"] == 1
+    assert gs.export_onnx(graph).SerializeToString() == before
