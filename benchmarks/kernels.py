@@ -16,7 +16,7 @@ Columns:
   rms+gemm    torch.mm(F.rms_norm(x, (K,), g, eps), W): PyTorch's fused norm kernel + cuBLAS;
   compile     torch.compile (default mode, default settings) of the unfused module
               (fp32 upcast, pow/mean/rsqrt, · gain, matmul), the strongest peer;
-  two_stream, fused, auto   flashnorm.kernels.flashnorm_matmul(x, W*, eps, splits, strategy)
+  two_stream, fused, prenorm, auto   flashnorm.kernels.flashnorm_matmul(x, W*, eps, splits, strategy)
               writing each split to its own buffer (the torch columns write one [M, N]);
   floor       max(bytes / 4.3 TB/s, 2·M·K·N / 790 TFLOP/s): bytes = x + W + y once each
               (the copy bandwidth and bf16 matrix rate measured on this kind of machine).
@@ -49,7 +49,7 @@ from shapes import EPS, SITES, TOKEN_COUNTS, Site  # noqa: E402
 HBM_BYTES_PER_S = 4.3e12
 BF16_FLOPS_PER_S = 790e12
 CHECK_TOLERANCE = 1e-2  # bf16 outputs: 8 significant bits, fp32 accumulation
-STRATEGIES = ("two_stream", "fused", "auto")
+STRATEGIES = ("two_stream", "fused", "prenorm", "auto")
 COLUMNS = ("gemm", "rms+gemm", "compile", *STRATEGIES)
 
 SetCall = Callable[[int], object]  # runs one call on input set i
@@ -322,9 +322,9 @@ def markdown_tables(rows: list[dict], sites: Sequence[Site]) -> str:
         lines += [
             f"#### {site.label}: {site.describe()}",
             "",
-            "| M | GEMM alone | F.rms_norm + GEMM | torch.compile | two_stream | fused | auto (picks) | floor "
-            "| auto / GEMM | (rms+GEMM) / auto | auto / compile | targets |",
-            "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|:---|",
+            "| M | GEMM alone | F.rms_norm + GEMM | torch.compile | two_stream | fused | prenorm | auto (picks) "
+            "| floor | auto / GEMM | (rms+GEMM) / auto | auto / compile | targets |",
+            "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|:---|",
         ]
         for r in site_rows:
             t = r["times_us"]
@@ -332,7 +332,8 @@ def markdown_tables(rows: list[dict], sites: Sequence[Site]) -> str:
             met = ", ".join(("✓ " if ok else "✗ ") + name for name, ok in r["targets"].items()) or ""
             lines.append(
                 f"| {r['m']} | {_us(t['gemm'])} | {_us(t['rms+gemm'])} | {_us(t['compile'])} | "
-                f"{_us(t['two_stream'])} | {_us(t['fused'])} | {_us(t['auto'])} ({r['auto_resolves_to']}) | {floor} | "
+                f"{_us(t['two_stream'])} | {_us(t['fused'])} | {_us(t['prenorm'])} | "
+                f"{_us(t['auto'])} ({r['auto_resolves_to']}) | {floor} | "
                 f"{_x(r['auto_over_gemm'])} | {_x(r['rms_gemm_over_auto'])} | {_x(r['auto_over_compile'])} | {met} |"
             )
         lines.append("")
@@ -340,7 +341,7 @@ def markdown_tables(rows: list[dict], sites: Sequence[Site]) -> str:
 
 
 def crossover_lines(rows: list[dict], sites: Sequence[Site]) -> str:
-    """Per site: where fused beats two_stream, and whether auto picked the faster one."""
+    """Per site: where fused beats two_stream, and whether auto picked the fastest strategy."""
     lines = ["| site | M where fused < two_stream | M where auto picked the slower strategy |", "|---|---|---|"]
     for site in sites:
         site_rows = [r for r in rows if r["model"] == site.model and r["site"] == site.name]
@@ -351,7 +352,7 @@ def crossover_lines(rows: list[dict], sites: Sequence[Site]) -> str:
             t = r["times_us"]
             if t["fused"] is not None and t["two_stream"] is not None and t["fused"] < t["two_stream"]:
                 fused_wins.append(r["m"])
-            candidates = {s: t[s] for s in ("two_stream", "fused") if t[s] is not None}
+            candidates = {s: t[s] for s in ("two_stream", "fused", "prenorm") if t[s] is not None}
             if candidates:
                 best = min(candidates, key=candidates.get)
                 if r["auto_resolves_to"] != best:
@@ -433,7 +434,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         timer, op, cache_bytes = WallTimer(3), _smoke_op, 1 << 20
 
         def resolve(m: int, site: Site) -> str:
-            return "fused" if m <= 16 else "two_stream"
+            return "fused" if m <= 16 else ("prenorm" if m >= 256 else "two_stream")
 
         def compile_fn(fn):
             return fn
@@ -450,7 +451,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             return kernels.flashnorm_matmul(x, w, eps, splits=splits, strategy=strategy, out=out)
 
         def resolve(m: int, site: Site) -> str:
-            return kernels.resolve_strategy(m, site.k, site.n, dtype)
+            return kernels.resolve_strategy(m, site.k, site.n, dtype, site.splits)
 
         def compile_fn(fn):
             # A fresh Dynamo cache per site, so no site's recompiles count against another's.
@@ -478,7 +479,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         # Written after every site, so a run cut short still leaves its finished tables.
         markdown = "\n\n".join(
-            [header, markdown_tables(rows, sites), "Two-stream vs fused, per site:", crossover_lines(rows, sites),
+            [header, markdown_tables(rows, sites), "Strategies compared, per site:", crossover_lines(rows, sites),
              summary_lines(rows)]
         )
         (args.out / "kernels.md").write_text(markdown + "\n")

@@ -510,3 +510,115 @@ def test_written_files_get_ordinary_permissions(external_model, tmp_path):
         handle.write("{}")
     for path in (out, out.with_name("perm.onnx.data"), tmp_path / "report.json"):
         assert path.stat().st_mode & 0o777 == 0o666 & ~mask, path
+
+
+@pytest.mark.parametrize("keep", [0.3, 0.999])
+def test_truncated_inline_model(tmp_path, rng, keep):
+    path = tmp_path / "cut.onnx"
+    data = _model(_weights(rng)).SerializeToString()
+    path.write_bytes(data[: int(len(data) * keep)])
+    with pytest.raises(FlashNormError) as excinfo:
+        io.load(path)
+    _assert_one_line(excinfo, "cut.onnx", "not an ONNX model")
+
+
+def test_inline_model_is_parsed_exactly(tmp_path, rng):
+    """The one-initializer-at-a-time reader yields the same ModelProto as protobuf's parser."""
+    model = _model(_weights(rng))
+    path = tmp_path / "exact.onnx"
+    path.write_bytes(model.SerializeToString())
+    assert io._parse_model(path) == onnx.load(str(path))
+
+
+_PEAK_SCRIPT = """
+import sys
+import numpy as np
+import onnx_graphsurgeon as gs
+from flashnorm import io
+
+def peak_mb():
+    with open("/proc/self/status") as status:
+        return int(next(line.split()[1] for line in status if line.startswith("VmHWM:"))) / 1024
+
+source, destination, derived = sys.argv[1], sys.argv[2], sys.argv[3] == "derived"
+before = peak_mb()
+graph = io.load(source)
+if derived:
+    weight = graph.tensors()["w0"]
+    node = weight.outputs[0]
+    node.inputs[1] = gs.Constant("w0.scaled", io.DerivedValues(weight, lambda w: np.multiply(w, 2, out=w)))
+io.save(graph, destination)
+print(peak_mb() - before)
+"""
+
+
+@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads VmHWM from /proc (Linux)")
+@pytest.mark.parametrize("derived", [False, True])
+def test_external_save_holds_at_most_one_tensor(tmp_path, rng, derived):
+    """96 MB of external weights (three 32 MB tensors) load and save with the process peak
+    growing by less than one tensor (nothing read), or by about one tensor when one weight
+    is changed as DerivedValues (read, scaled in place, written, freed)."""
+    import subprocess
+    import sys
+
+    count, shape = 3, (2048, 4096)
+    tensor_mb = int(np.prod(shape)) * 4 / 2**20
+    source = tmp_path / "big.onnx"
+    data = tmp_path / "big.bin"
+    nodes, weights, previous = [], [], "x"
+    with open(data, "wb") as handle:
+        for i in range(count):
+            dims = shape if i % 2 == 0 else shape[::-1]  # a chain: [1,2048]·[2048,4096]·[4096,2048]…
+            values = rng.standard_normal(dims, dtype=np.float32)
+            weight = TensorProto(name=f"w{i}", dims=list(dims), data_type=TensorProto.FLOAT,
+                                 data_location=TensorProto.EXTERNAL)
+            for key, value in (("location", "big.bin"), ("offset", str(handle.tell())), ("length", str(values.nbytes))):
+                weight.external_data.add(key=key, value=value)
+            values.tofile(handle)
+            weights.append(weight)
+            nodes.append(helper.make_node("MatMul", [previous, f"w{i}"], [f"h{i}"]))
+            previous = f"h{i}"
+    graph = helper.make_graph(nodes, "big", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, shape[0]])],
+                              [helper.make_tensor_value_info(previous, TensorProto.FLOAT, [1, shape[count % 2]])],
+                              weights)
+    source.write_bytes(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]).SerializeToString())
+
+    result = subprocess.run([sys.executable, "-c", _PEAK_SCRIPT, str(source), str(tmp_path / "out.onnx"),
+                             "derived" if derived else "plain"], capture_output=True, text=True, check=True)
+    growth_mb = float(result.stdout.split()[-1])
+    limit = 1.5 * tensor_mb if derived else 0.5 * tensor_mb
+    assert growth_mb < limit, f"peak grew by {growth_mb:.1f} MB (one tensor is {tensor_mb:.0f} MB)"
+    saved = io.load(tmp_path / "out.onnx")
+    scale = 2 if derived else 1
+    name = "w0.scaled" if derived else "w0"
+    expected = np.fromfile(data, dtype=np.float32, count=int(np.prod(shape))).reshape(shape) * scale
+    np.testing.assert_array_equal(_constant(saved, name).values, expected)
+
+
+def test_derived_values_may_work_in_place(tmp_path, rng):
+    """The function gets a fresh array each time, so scaling in place never touches the
+    source: not an in-memory array, not a lazily loaded tensor, not a chain of derivations."""
+    original = rng.standard_normal((8, 16)).astype(np.float32)
+    source = tmp_path / "inplace.onnx"
+    onnx.save(_single_matmul_shaped(original), str(source))
+    graph = io.load(source)
+    lazy = _constant(graph, "W")
+    in_memory = gs.Constant("M", original.copy())
+    doubled = gs.Constant("D", io.DerivedValues(lazy, lambda w: np.multiply(w, 2, out=w)))
+    for constant in (lazy, in_memory, doubled):
+        derived = io.DerivedValues(constant, lambda w: np.multiply(w, 3, out=w))
+        factor = 6 if constant is doubled else 3
+        np.testing.assert_array_equal(derived.load(), original * factor)
+        np.testing.assert_array_equal(derived.load(), original * factor)  # twice: same result
+    np.testing.assert_array_equal(in_memory.values, original)
+    np.testing.assert_array_equal(lazy.values, original)
+
+
+def _single_matmul_shaped(weight: np.ndarray) -> onnx.ModelProto:
+    graph = helper.make_graph(
+        [helper.make_node("MatMul", ["x", "W"], ["y"])], "one",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, weight.shape[0]])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, weight.shape[1]])],
+        [numpy_helper.from_array(weight, "W")],
+    )
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])

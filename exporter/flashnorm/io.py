@@ -162,8 +162,9 @@ class DerivedValues(LazyValues):
     `DerivedValues(weight, lambda w: w * gain[:, None])` describes a changed weight without
     computing it: `save` computes it while writing it and frees it right after, so a pass that
     changes many large weights (fold) never holds more than one of them in memory. `load()`
-    (what `constant.values` calls) computes it too. `function` must return an array of
-    `shape` and `dtype` (by default the source's)."""
+    (what `constant.values` calls) computes it too. `function` receives a fresh array of the
+    source's values, which it may modify in place, and must return an array of `shape` and
+    `dtype` (by default the source's)."""
 
     def __init__(
         self,
@@ -181,7 +182,9 @@ class DerivedValues(LazyValues):
         self.nbytes = math.prod(int(d) for d in self.shape) * self.dtype.itemsize
 
     def load(self) -> np.ndarray:
-        source = self.source.load() if isinstance(self.source, LazyValues) else self.source
+        # LazyValues.load() reads a new array every time; an in-memory source is copied so
+        # that `function` may work in place without changing it.
+        source = self.source.load() if isinstance(self.source, LazyValues) else np.array(self.source)
         values = np.asarray(self.function(source))
         if list(values.shape) != self.shape or values.dtype != self.dtype:
             raise ValueError(
@@ -242,10 +245,104 @@ def _type_name(tensor: onnx.TensorProto) -> str:
     return str(tensor.data_type)
 
 
+class _Truncated(Exception):
+    """The file ends inside a protobuf field."""
+
+
+def _read_exact(handle: IO[bytes], size: int) -> bytes:
+    data = handle.read(size)
+    if len(data) != size:
+        raise _Truncated
+    return data
+
+
+def _read_key_and_length(handle: IO[bytes]) -> tuple[int, int, bytes] | None:
+    """The next field's number and wire type, and its key bytes; None at the end of the file."""
+    raw = bytearray()
+    while True:
+        byte = handle.read(1)
+        if not byte:
+            if raw:
+                raise _Truncated
+            return None
+        raw += byte
+        if not byte[0] & 0x80:
+            break
+        if len(raw) > 10:
+            raise DecodeError("varint too long")
+    key = _decode_varint(raw)
+    return key >> 3, key & 7, bytes(raw)
+
+
+def _decode_varint(raw: bytes | bytearray) -> int:
+    return sum((byte & 0x7F) << (7 * i) for i, byte in enumerate(raw))
+
+
+def _read_varint(handle: IO[bytes]) -> tuple[int, bytes]:
+    raw = bytearray()
+    while True:
+        byte = _read_exact(handle, 1)
+        raw += byte
+        if not byte[0] & 0x80:
+            return _decode_varint(raw), bytes(raw)
+        if len(raw) > 10:
+            raise DecodeError("varint too long")
+
+
+def _read_field(handle: IO[bytes], wire_type: int) -> tuple[bytes, int]:
+    """The rest of a field after its key: (its bytes up to the payload, payload length), with
+    the payload itself still unread for length-delimited fields, read for the others."""
+    if wire_type == 0:
+        return _read_varint(handle)[1], 0
+    if wire_type in (1, 5):
+        return _read_exact(handle, 8 if wire_type == 1 else 4), 0
+    if wire_type == 2:
+        length, raw = _read_varint(handle)
+        return raw, length
+    raise DecodeError(f"unsupported wire type {wire_type}")
+
+
+def _read_model(handle: IO[bytes], end: int) -> onnx.ModelProto:
+    """Parse a ModelProto from a file, one initializer at a time.
+
+    `ParseFromString` needs the whole file in memory next to the parsed model: an inline model
+    held twice. Here every field except the graph's initializers is gathered as bytes (small)
+    and merged at the end; each initializer is read and parsed on its own, straight into the
+    model, so the peak is the model plus its largest tensor."""
+    model = onnx.ModelProto()
+    model_rest, graph_rest = bytearray(), bytearray()
+    while (field := _read_key_and_length(handle)) is not None:
+        number, wire_type, key = field
+        head, length = _read_field(handle, wire_type)
+        if number != 7 or wire_type != 2:  # anything but ModelProto.graph
+            model_rest += key + head + _read_exact(handle, length)
+            continue
+        graph_end = handle.tell() + length
+        if graph_end > end:
+            raise _Truncated
+        while handle.tell() < graph_end:
+            inner = _read_key_and_length(handle)
+            if inner is None:
+                raise _Truncated
+            inner_number, inner_type, inner_key = inner
+            inner_head, inner_length = _read_field(handle, inner_type)
+            if inner_number == 5 and inner_type == 2:  # GraphProto.initializer
+                model.graph.initializer.add().ParseFromString(_read_exact(handle, inner_length))
+            else:
+                graph_rest += inner_key + inner_head + _read_exact(handle, inner_length)
+        if handle.tell() != graph_end:
+            raise DecodeError("graph field length does not match its content")
+    if graph_rest:
+        model.graph.MergeFromString(bytes(graph_rest))
+    model.MergeFromString(bytes(model_rest))
+    return model
+
+
 def _parse_model(path: Path) -> onnx.ModelProto:
     try:
-        model = onnx.load(str(path), load_external_data=False)
-    except DecodeError:
+        with open(path, "rb") as handle:
+            model = _read_model(handle, path.stat().st_size)
+    except (DecodeError, _Truncated):
         too_large = " (over protobuf's 2 GiB limit)" if path.stat().st_size >= _TWO_GIB else ""
         raise FlashNormError(f"{path} is not an ONNX model: protobuf parse failed{too_large}") from None
     except OSError as exc:

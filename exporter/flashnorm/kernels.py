@@ -31,7 +31,7 @@ import torch
 from flashnorm.errors import FlashNormError
 
 MAX_OUTPUTS = 8
-STRATEGIES = {"auto": 0, "two_stream": 1, "fused": 2}
+STRATEGIES = {"auto": 0, "two_stream": 1, "fused": 2, "prenorm": 3}
 _STRATEGY_NAMES = {value: name for name, value in STRATEGIES.items()}
 _DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 _REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -147,10 +147,24 @@ def _problem(m: int, k: int, splits: Sequence[int], dtype: torch.dtype, eps: flo
     return problem
 
 
-def resolve_strategy(m: int, k: int, n: int, dtype: torch.dtype = torch.bfloat16) -> str:
-    """The strategy ``"auto"`` picks for an [m, k] × [k, n] problem: ``"fused"`` or ``"two_stream"``."""
-    problem = _problem(m, k, [n], dtype, 1e-6, "auto")
+def resolve_strategy(
+    m: int, k: int, n: int, dtype: torch.dtype = torch.bfloat16, splits: Sequence[int] | None = None
+) -> str:
+    """The strategy ``"auto"`` picks for an [m, k] × [k, n] problem split into ``splits`` (None: one
+    output): ``"fused"``, ``"two_stream"`` or ``"prenorm"`` (which depends on the narrowest split)."""
+    splits = [n] if splits is None else [int(size) for size in splits]
+    if sum(splits) != n:
+        raise FlashNormError(f"splits {splits} must sum to N={n}")
+    problem = _problem(m, k, splits, dtype, 1e-6, "auto")
     return _STRATEGY_NAMES[_load().flashnorm_resolve_strategy(ctypes.byref(problem))]
+
+
+def workspace_size(
+    m: int, k: int, splits: Sequence[int], dtype: torch.dtype = torch.bfloat16, strategy: str = "auto"
+) -> int:
+    """Bytes of device workspace a call needs for this problem or any smaller m (0 for the fused kernel)."""
+    problem = _problem(m, k, [int(size) for size in splits], dtype, 1e-6, strategy)
+    return int(_load().flashnorm_workspace_size(ctypes.byref(problem)))
 
 
 def flashnorm_matmul(

@@ -17,6 +17,17 @@ namespace
 // (fp32 1×2048×3072: 46.7 µs fused, 8.0 µs two-stream).
 constexpr int64_t kFusedMaxRows = 16;
 constexpr int64_t kFusedMaxWeightElements = int64_t(1) << 20;
+// Prenorm (kernels/NOTES.md, "prenorm"): two-stream's post-scale reads and writes the N-wide output
+// once more, prenorm's extra pass is over the K-wide input; but prenorm runs one GEMM per split, and
+// a narrow split (k/v: 192-1024 columns) is a GEMM too small to fill the GPU. Measured (bf16,
+// H200), prenorm beat two-stream exactly where M × (narrowest split) >= 1.5·2^20 (e.g. M=1024 ×
+// 1536: 13.1 vs 14.2 µs; 4096 × 512: 88.5 vs 95.8) and lost wherever it was <= 2^20 (1024×1024: 87.2 vs
+// 78.2; 4096×192: 20.5 vs 17.3); the threshold sits between. fp32 GEMMs run on CUDA cores, where
+// the narrow splits cost little: prenorm won at M = 1024 on both sites measured (292.7 vs 306.9,
+// 1030 vs 1086 µs) and lost at M = 256 on one (101.4 vs 83.8).
+constexpr int64_t kPrenormMinRows = 256;
+constexpr int64_t kPrenormMinNarrowSplitElements = int64_t(5) << 18; // 1.25·2^20
+constexpr int64_t kPrenormMinRowsF32 = 1024;
 
 bool valid_dtype(flashnorm_dtype dtype)
 {
@@ -26,7 +37,7 @@ bool valid_dtype(flashnorm_dtype dtype)
 bool valid_strategy(flashnorm_strategy strategy)
 {
     return strategy == FLASHNORM_STRATEGY_AUTO || strategy == FLASHNORM_STRATEGY_TWO_STREAM
-        || strategy == FLASHNORM_STRATEGY_FUSED;
+        || strategy == FLASHNORM_STRATEGY_FUSED || strategy == FLASHNORM_STRATEGY_PRENORM;
 }
 
 // Empty when the problem is well formed, else what is wrong with it.
@@ -56,14 +67,40 @@ char const* problem_error(flashnorm_problem const* problem)
     return "";
 }
 
+// The fewest rows from which AUTO picks prenorm for this problem's K, splits and dtype. AUTO's
+// prenorm region is every M at or above it (the workspace size relies on that).
+int64_t prenorm_min_rows(flashnorm_problem const& problem)
+{
+    if (problem.dtype == FLASHNORM_DTYPE_F32)
+        return kPrenormMinRowsF32;
+    int64_t narrowest = problem.split_sizes[0];
+    for (int i = 1; i < problem.num_outputs; ++i)
+        narrowest = problem.split_sizes[i] < narrowest ? problem.split_sizes[i] : narrowest;
+    int64_t const rows = (kPrenormMinNarrowSplitElements + narrowest - 1) / narrowest;
+    return rows > kPrenormMinRows ? rows : kPrenormMinRows;
+}
+
 flashnorm_strategy resolve(flashnorm_problem const& problem)
 {
     if (problem.strategy != FLASHNORM_STRATEGY_AUTO)
         return problem.strategy;
+    if (problem.m >= prenorm_min_rows(problem))
+        return FLASHNORM_STRATEGY_PRENORM;
     bool const tensor_cores
         = problem.dtype != FLASHNORM_DTYPE_F32 && flashnorm::fused_tensor_core_shape(problem.k, problem.n);
     bool const small = problem.m <= kFusedMaxRows && problem.k * problem.n <= kFusedMaxWeightElements;
     return tensor_cores && small ? FLASHNORM_STRATEGY_FUSED : FLASHNORM_STRATEGY_TWO_STREAM;
+}
+
+// Bytes the strategy `resolve` picks for exactly this problem needs.
+size_t workspace_bytes_for(flashnorm_problem const& problem)
+{
+    switch (resolve(problem))
+    {
+    case FLASHNORM_STRATEGY_FUSED: return 0;
+    case FLASHNORM_STRATEGY_PRENORM: return flashnorm::prenorm_layout(problem.m, problem.k, problem.dtype).total;
+    default: return flashnorm::two_stream_layout(problem.m, problem.n, problem.dtype).total;
+    }
 }
 
 } // namespace
@@ -101,9 +138,19 @@ size_t flashnorm_workspace_size(flashnorm_problem const* problem)
 {
     if (*problem_error(problem) != '\0')
         return 0;
-    if (resolve(*problem) == FLASHNORM_STRATEGY_FUSED)
-        return 0;
-    return flashnorm::two_stream_layout(problem->m, problem->n, problem->dtype).total;
+    size_t bytes = workspace_bytes_for(*problem);
+    int64_t const threshold = prenorm_min_rows(*problem);
+    if (problem->strategy == FLASHNORM_STRATEGY_AUTO && problem->m >= threshold)
+    {
+        // AUTO picks another strategy for fewer rows; the size covers every smaller M (the
+        // TensorRT plugin sizes its workspace once, for the profile's largest M). Each strategy's
+        // own size grows with M, so its largest M below the threshold is the one to cover.
+        flashnorm_problem below = *problem;
+        below.m = threshold - 1;
+        size_t const smaller = workspace_bytes_for(below);
+        bytes = smaller > bytes ? smaller : bytes;
+    }
+    return bytes;
 }
 
 flashnorm_strategy flashnorm_resolve_strategy(flashnorm_problem const* problem)
@@ -144,17 +191,20 @@ flashnorm_status flashnorm_matmul(flashnorm_context* context, flashnorm_problem 
         splits.offsets[i + 1] = splits.offsets[i] + problem->split_sizes[i];
     }
 
-    if (resolve(*problem) == FLASHNORM_STRATEGY_FUSED)
+    flashnorm_strategy const strategy = resolve(*problem);
+    if (strategy == FLASHNORM_STRATEGY_FUSED)
     {
         FLASHNORM_CHECK(context,
             flashnorm::launch_fused(problem->dtype, x, w, problem->m, problem->k, problem->n, problem->eps, splits,
                 context->sm_count, context->fused_cluster_size, stream));
         return FLASHNORM_STATUS_OK;
     }
-    size_t const needed = flashnorm::two_stream_layout(problem->m, problem->n, problem->dtype).total;
+    size_t const needed = workspace_bytes_for(*problem);
     if (workspace == nullptr || workspace_bytes < needed || reinterpret_cast<uintptr_t>(workspace) % 256 != 0)
         return flashnorm::record_error(context, FLASHNORM_STATUS_WORKSPACE_TOO_SMALL, "flashnorm_matmul",
             "workspace missing, smaller than flashnorm_workspace_size() or not 256-byte aligned", "workspace");
+    if (strategy == FLASHNORM_STRATEGY_PRENORM)
+        return flashnorm::run_prenorm(context, *problem, x, w, splits, workspace, stream);
     return flashnorm::run_two_stream(context, *problem, x, w, splits, workspace, stream);
 }
 

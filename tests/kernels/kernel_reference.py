@@ -6,7 +6,8 @@ from __future__ import annotations
 import torch
 
 # Row-wise ‖got − ref‖ / ‖ref‖ bounds: fp32 stays fp32 arithmetic (no TF32); 16-bit outputs carry
-# one rounding (two for the bf16 two-stream path, whose GEMM product is bf16).
+# one rounding (two for the bf16 two-stream path, whose GEMM product is bf16; prenorm's rounding of
+# x̂ is in its reference, see strategy_reference).
 TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
 
 
@@ -34,6 +35,34 @@ def reference(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     x64 = x.double()
     inv_rms = torch.rsqrt(x64.pow(2).mean(dim=-1, keepdim=True) + eps)
     return (x64 @ w.double()) * inv_rms
+
+
+def prenorm_reference(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    """x̂ · W* in float64 with x̂ = x ⊙ rsqrt(mean(x²) + eps) rounded once to x's dtype: the prenorm
+    strategy's documented arithmetic (the one rounding F.rms_norm + GEMM has too)."""
+    x64 = x.double()
+    inv_rms = torch.rsqrt(x64.pow(2).mean(dim=-1, keepdim=True) + eps)
+    return (x64 * inv_rms).to(x.dtype).double() @ w.double()
+
+
+def strategy_reference(kernels, x: torch.Tensor, w: torch.Tensor, eps: float, splits, strategy: str) -> torch.Tensor:
+    """The float64 result `strategy` (AUTO resolved first) must match within TOLERANCE: `reference`,
+    or `prenorm_reference` for prenorm. x is [M, K]."""
+    if strategy == "auto":
+        strategy = kernels.resolve_strategy(x.shape[0], x.shape[1], w.shape[1], x.dtype, splits)
+    return prenorm_reference(x, w, eps) if strategy == "prenorm" else reference(x, w, eps)
+
+
+def magnitude_errors(got: torch.Tensor, x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    """Per-row ‖got − exact‖ / ‖|x̂|·|W*|‖: the error of x̂'s rounding measured against the sum of
+    absolute terms it can move (a cancelling dot product has a small result but not a small
+    error). NaN or Inf in a row gives inf."""
+    x64 = x.double()
+    normalized = x64 * torch.rsqrt(x64.pow(2).mean(dim=-1, keepdim=True) + eps)
+    exact = normalized @ w.double()
+    scale = torch.linalg.vector_norm(normalized.abs() @ w.double().abs(), dim=-1).clamp_min(1e-300)
+    error = torch.linalg.vector_norm(got.double() - exact, dim=-1) / scale
+    return torch.where(torch.isfinite(got.double()).all(dim=-1), error, torch.full_like(error, float("inf")))
 
 
 def row_errors(got: torch.Tensor, expected: torch.Tensor) -> torch.Tensor:

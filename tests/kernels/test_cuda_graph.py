@@ -1,5 +1,5 @@
-"""Calls captured into one CUDA graph on a non-default stream (both strategies, splits, a
-delayed side stream, one shape seen first inside the capture), replayed 1000 times with new
+"""Calls captured into one CUDA graph on a non-default stream (every strategy, splits, a
+delayed side stream, shapes seen first inside the capture), replayed 1000 times with new
 inputs copied into the captured buffers before every replay; every replay must be right."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernel_reference import TOLERANCE, generator_from, kernels_module, random_inputs, reference, row_errors
+from kernel_reference import TOLERANCE, generator_from, kernels_module, random_inputs, row_errors, strategy_reference
 
 REPLAYS = 1000
 # (m, k, splits, dtype, strategy, called before the capture)
@@ -17,6 +17,9 @@ CALLS = [
     (1, 130, [24, 72], torch.float16, "auto", True),
     (257, 100, [37], torch.float32, "auto", True),
     (16, 264, [40, 8, 16, 24], torch.bfloat16, "two_stream", False),
+    (512, 576, [576, 192, 192], torch.bfloat16, "prenorm", True),
+    (300, 130, [24, 72], torch.float16, "prenorm", False),
+    (1024, 130, [24, 72], torch.float32, "auto", True),  # AUTO picks prenorm (fp32, M >= 1024)
 ]
 
 
@@ -59,7 +62,8 @@ def test_captured_calls_replay_correctly(rng):
         kernels.set_side_delay(0)
 
     for index, (m, k, splits, dtype, strategy, warm) in enumerate(CALLS):
-        expected = reference(banks[index].reshape(REPLAYS * m, k), weights[index], eps)
+        x_all = banks[index].reshape(REPLAYS * m, k)
+        expected = strategy_reference(kernels, x_all, weights[index], eps, splits, strategy)
         errors = row_errors(results[index].reshape(REPLAYS * m, -1), expected).reshape(REPLAYS, m)
         bad = (errors > TOLERANCE[dtype]).any(dim=1).nonzero().flatten().tolist()
         assert not bad, (

@@ -93,4 +93,34 @@ def test_auto_strategy_through_the_python_binding(built_library, monkeypatch):
     assert kernels.resolve_strategy(1, 4096, 6144, torch.bfloat16) == "two_stream"
     assert kernels.resolve_strategy(1, 576, 960, torch.float32) == "two_stream"
     assert kernels.resolve_strategy(1, 576, 962, torch.bfloat16) == "two_stream"
+    assert kernels.resolve_strategy(255, 4096, 6144, torch.bfloat16) == "two_stream"
+    assert kernels.resolve_strategy(256, 4096, 6144, torch.bfloat16) == "prenorm"
+    # Prenorm runs one GEMM per split: under AUTO (16-bit) M × narrowest split must be >= 1.25·2^20.
+    qkv = [4096, 1024, 1024]
+    assert kernels.resolve_strategy(1024, 4096, 6144, torch.bfloat16, qkv) == "two_stream"
+    assert kernels.resolve_strategy(1280, 4096, 6144, torch.float16, qkv) == "prenorm"
+    assert kernels.resolve_strategy(4096, 576, 960, torch.bfloat16, [576, 192, 192]) == "two_stream"
+    assert kernels.resolve_strategy(1023, 4096, 6144, torch.float32, qkv) == "two_stream"
+    assert kernels.resolve_strategy(1024, 4096, 6144, torch.float32, qkv) == "prenorm"
+    assert kernels.resolve_strategy(4096, 576, 962, torch.float32) == "prenorm"
     assert kernels.join_dropped() is False
+
+
+def test_auto_workspace_covers_every_smaller_m(built_library, monkeypatch):
+    """The TensorRT plugin sizes one workspace for the profile's largest M: under AUTO that size
+    must also hold the strategy picked for any smaller M (two-stream's [M, N] product below the
+    prenorm threshold can exceed prenorm's [M, K] at the threshold)."""
+    import torch
+
+    from flashnorm import kernels
+
+    monkeypatch.setenv("FLASHNORM_LIBRARY", str(built_library))
+    monkeypatch.setattr(kernels, "_library", None)
+    for k, splits in [(576, [1536, 1536]), (4096, [4096, 1024, 1024]), (130, [24, 72]), (130, [5000])]:
+        for dtype in (torch.float32, torch.float16, torch.bfloat16):
+            for top in (256, 1024, 4096, 60000):
+                largest = kernels.workspace_size(top, k, splits, dtype)
+                for m in (m for m in (1, 16, 17, 255, 256, 1000, 1023, 1024, 4096, 54614, 60000) if m <= top):
+                    picked = kernels.resolve_strategy(m, k, sum(splits), dtype)
+                    needed = kernels.workspace_size(m, k, splits, dtype, picked)
+                    assert needed <= largest, (k, splits, dtype, top, m, picked)

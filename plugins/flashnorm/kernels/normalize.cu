@@ -152,7 +152,8 @@ cudaError_t launch_normalize_rows_typed(
     // Just enough warps that each thread holds at most kNormalizeItems vectors of the row.
     int64_t const vectors = (k + kVec - 1) / kVec;
     int64_t const wanted = (vectors + kNormalizeItems - 1) / kNormalizeItems;
-    int const threads = static_cast<int>(wanted >= kNormalizeMaxThreads ? kNormalizeMaxThreads : (wanted + 31) / 32 * 32);
+    int const threads
+        = static_cast<int>(wanted >= kNormalizeMaxThreads ? kNormalizeMaxThreads : (wanted + 31) / 32 * 32);
     dim3 const grid(static_cast<unsigned>(m < kMaxGrid ? m : kMaxGrid));
     normalize_rows_kernel<T><<<grid, threads, 0, stream>>>(
         static_cast<T const*>(x), static_cast<T*>(normalized), m, k, eps, vectorized);

@@ -62,17 +62,18 @@ void destroy_plan(GemmPlan& plan)
 }
 
 // Row-major y[m,n] = x[m,k]·W[k,n] is, read column-major, yᵀ[n,m] = Wᵀ[n,k]·xᵀ[k,m]: W is
-// cuBLASLt's A (n×k, ld n), x its B (k×m, ld k), the product its D (n×m, ld n); no transposes.
+// cuBLASLt's A (n×k, ld w_ld), x its B (k×m, ld k), the product its D (n×m, ld n); no transposes.
+// A column slice of a wider W is the same A with its first column's address and ld = full N.
 // fp32 uses CUBLAS_COMPUTE_32F, never the TF32 mode, so fp32 stays fp32 arithmetic.
 flashnorm_status make_plan(flashnorm_context* context, GemmKey const& key, GemmPlan& plan)
 {
     cudaDataType_t const io_type = cuda_type(key.dtype);
-    cudaDataType_t const out_type = cuda_type(product_dtype(key.dtype));
+    cudaDataType_t const out_type = cuda_type(key.out_dtype);
     uint64_t const m = static_cast<uint64_t>(key.m);
     uint64_t const k = static_cast<uint64_t>(key.k);
     uint64_t const n = static_cast<uint64_t>(key.n);
     FLASHNORM_CHECK(context, cublasLtMatmulDescCreate(&plan.operation, CUBLAS_COMPUTE_32F, CUDA_R_32F));
-    FLASHNORM_CHECK(context, cublasLtMatrixLayoutCreate(&plan.w_layout, io_type, n, k, static_cast<int64_t>(n)));
+    FLASHNORM_CHECK(context, cublasLtMatrixLayoutCreate(&plan.w_layout, io_type, n, k, key.w_ld));
     FLASHNORM_CHECK(context, cublasLtMatrixLayoutCreate(&plan.x_layout, io_type, k, m, static_cast<int64_t>(k)));
     FLASHNORM_CHECK(
         context, cublasLtMatrixLayoutCreate(&plan.product_layout, out_type, n, m, static_cast<int64_t>(n)));
@@ -81,7 +82,7 @@ flashnorm_status make_plan(flashnorm_context* context, GemmKey const& key, GemmP
     FLASHNORM_CHECK(context,
         cublasLtMatmulPreferenceSetAttribute(plan.preference, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
             &workspace_limit, sizeof(workspace_limit)));
-    uint32_t const product_alignment = kRegionAlignment;
+    uint32_t const product_alignment = key.out_alignment;
     FLASHNORM_CHECK(context,
         cublasLtMatmulPreferenceSetAttribute(plan.preference, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES,
             &key.w_alignment, sizeof(key.w_alignment)));
@@ -143,15 +144,17 @@ flashnorm_status record_error(
 
 bool GemmKey::operator==(GemmKey const& other) const
 {
-    return m == other.m && k == other.k && n == other.n && dtype == other.dtype && x_alignment == other.x_alignment
-        && w_alignment == other.w_alignment;
+    return m == other.m && k == other.k && n == other.n && w_ld == other.w_ld && dtype == other.dtype
+        && out_dtype == other.out_dtype && x_alignment == other.x_alignment && w_alignment == other.w_alignment
+        && out_alignment == other.out_alignment;
 }
 
 size_t GemmKeyHash::operator()(GemmKey const& key) const
 {
     size_t hash = std::hash<int64_t>()(key.m);
-    for (uint64_t part : {uint64_t(key.k), uint64_t(key.n), uint64_t(key.dtype), uint64_t(key.x_alignment),
-             uint64_t(key.w_alignment)})
+    for (uint64_t part : {uint64_t(key.k), uint64_t(key.n), uint64_t(key.w_ld), uint64_t(key.dtype),
+             uint64_t(key.out_dtype), uint64_t(key.x_alignment), uint64_t(key.w_alignment),
+             uint64_t(key.out_alignment)})
     {
         hash = hash * 1000003u ^ std::hash<uint64_t>()(part);
     }
@@ -164,6 +167,14 @@ TwoStreamLayout two_stream_layout(int64_t m, int64_t n, flashnorm_dtype dtype)
     layout.product_offset = round_up(sizeof(float) * static_cast<size_t>(m));
     layout.gemm_workspace_offset
         = layout.product_offset + round_up(element_bytes(product_dtype(dtype)) * static_cast<size_t>(m * n));
+    layout.total = layout.gemm_workspace_offset + kGemmWorkspaceBytes;
+    return layout;
+}
+
+PrenormLayout prenorm_layout(int64_t m, int64_t k, flashnorm_dtype dtype)
+{
+    PrenormLayout layout{};
+    layout.gemm_workspace_offset = round_up(element_bytes(dtype) * static_cast<size_t>(m * k));
     layout.total = layout.gemm_workspace_offset + kGemmWorkspaceBytes;
     return layout;
 }
@@ -214,7 +225,9 @@ flashnorm_status run_two_stream(flashnorm_context* context, flashnorm_problem co
     void* const product = base + layout.product_offset;
     void* const gemm_workspace = base + layout.gemm_workspace_offset;
 
-    GemmKey const key{problem.m, problem.k, problem.n, problem.dtype, alignment_of(x), alignment_of(w)};
+    flashnorm_dtype const product_type = product_dtype(problem.dtype);
+    GemmKey const key{problem.m, problem.k, problem.n, problem.n, problem.dtype, product_type, alignment_of(x),
+        alignment_of(w), alignment_of(product)};
     GemmPlan const* plan = nullptr;
     flashnorm_status const status = find_plan(context, key, &plan);
     if (status != FLASHNORM_STATUS_OK)
@@ -242,8 +255,47 @@ flashnorm_status run_two_stream(flashnorm_context* context, flashnorm_problem co
     FLASHNORM_CHECK(context, cudaStreamWaitEvent(stream, context->join, 0));
 #endif
     FLASHNORM_CHECK(context,
-        launch_post_scale(
-            problem.dtype, product_dtype(problem.dtype), product, inv_rms, problem.m, problem.n, splits, stream));
+        launch_post_scale(problem.dtype, product_type, product, inv_rms, problem.m, problem.n, splits, stream));
+    return FLASHNORM_STATUS_OK;
+}
+
+flashnorm_status run_prenorm(flashnorm_context* context, flashnorm_problem const& problem, void const* x,
+    void const* w, OutputSplits const& splits, void* workspace, cudaStream_t stream)
+{
+    PrenormLayout const layout = prenorm_layout(problem.m, problem.k, problem.dtype);
+    char* const base = static_cast<char*>(workspace);
+    void* const normalized = base;
+    void* const gemm_workspace = base + layout.gemm_workspace_offset;
+    size_t const element = element_bytes(problem.dtype);
+
+    // Every plan first (host only): a failure then leaves nothing enqueued.
+    GemmPlan const* plans[FLASHNORM_MAX_OUTPUTS] = {};
+    for (int i = 0; i < splits.count; ++i)
+    {
+        void const* const w_slice = static_cast<char const*>(w) + element * static_cast<size_t>(splits.offsets[i]);
+        GemmKey const key{problem.m, problem.k, splits.offsets[i + 1] - splits.offsets[i], problem.n, problem.dtype,
+            problem.dtype, alignment_of(normalized), alignment_of(w_slice), alignment_of(splits.outputs[i])};
+        flashnorm_status const status = find_plan(context, key, &plans[i]);
+        if (status != FLASHNORM_STATUS_OK)
+        {
+            return status;
+        }
+    }
+
+    FLASHNORM_CHECK(
+        context, launch_normalize_rows(problem.dtype, x, normalized, problem.m, problem.k, problem.eps, stream));
+    float const alpha = 1.f;
+    float const beta = 0.f;
+    for (int i = 0; i < splits.count; ++i)
+    {
+        // One stream: the GEMMs run in order, so they share one cuBLASLt workspace.
+        void const* const w_slice = static_cast<char const*>(w) + element * static_cast<size_t>(splits.offsets[i]);
+        GemmPlan const* const plan = plans[i];
+        FLASHNORM_CHECK(context,
+            cublasLtMatmul(context->cublas, plan->operation, &alpha, w_slice, plan->w_layout, normalized,
+                plan->x_layout, &beta, splits.outputs[i], plan->product_layout, splits.outputs[i],
+                plan->product_layout, &plan->algorithm, gemm_workspace, plan->workspace_bytes, stream));
+    }
     return FLASHNORM_STATUS_OK;
 }
 

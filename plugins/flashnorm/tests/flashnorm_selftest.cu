@@ -65,6 +65,18 @@ char const* name(flashnorm_dtype dtype)
     return dtype == FLASHNORM_DTYPE_F32 ? "f32" : (dtype == FLASHNORM_DTYPE_F16 ? "f16" : "bf16");
 }
 
+char const* strategy_name(flashnorm_strategy strategy)
+{
+    switch (strategy)
+    {
+    case FLASHNORM_STRATEGY_FUSED: return "fused";
+    case FLASHNORM_STRATEGY_TWO_STREAM: return "two_stream";
+    case FLASHNORM_STRATEGY_PRENORM: return "prenorm";
+    case FLASHNORM_STRATEGY_AUTO: break;
+    }
+    return "auto";
+}
+
 struct Case
 {
     flashnorm_dtype dtype;
@@ -182,7 +194,7 @@ void run_case(flashnorm_context* context, std::mt19937& rng, Case const& c)
     bool const ok = worst <= tolerance(c.dtype);
     g_failures += ok ? 0 : 1;
     std::printf("%s %-4s %-10s m=%-3lld k=%-4lld n=%-4lld outputs=%zu delay=%lld graph=%d worst=%.3g\n",
-        ok ? "ok  " : "FAIL", name(c.dtype), c.strategy == FLASHNORM_STRATEGY_FUSED ? "fused" : "two_stream",
+        ok ? "ok  " : "FAIL", name(c.dtype), strategy_name(c.strategy),
         (long long)m, (long long)k, (long long)n, c.splits.size(), (long long)c.side_delay, int(c.captured), worst);
 
     SELFTEST_CUDA(cudaStreamDestroy(stream));
@@ -206,6 +218,7 @@ int main()
     std::mt19937 rng(std::random_device{}());
     auto const fused = FLASHNORM_STRATEGY_FUSED;
     auto const two = FLASHNORM_STRATEGY_TWO_STREAM;
+    auto const prenorm = FLASHNORM_STRATEGY_PRENORM;
     std::vector<Case> const cases = {
         {FLASHNORM_DTYPE_F32, fused, 3, 100, {30, 41}, 0, false},
         {FLASHNORM_DTYPE_F32, two, 3, 100, {30, 41}, 0, false},
@@ -218,6 +231,10 @@ int main()
         {FLASHNORM_DTYPE_BF16, two, 7, 64, {40, 24}, 200000, false},     // delayed side stream
         {FLASHNORM_DTYPE_BF16, two, 4, 64, {48, 16}, 100000, true},      // captured two-stream
         {FLASHNORM_DTYPE_F16, fused, 4, 64, {64}, 0, true},              // captured fused
+        {FLASHNORM_DTYPE_F32, prenorm, 3, 100, {30, 41}, 0, false},      // scalar normalize, unaligned W slice
+        {FLASHNORM_DTYPE_BF16, prenorm, 5, 96, {32, 16, 16}, 0, false},  // row held in registers
+        {FLASHNORM_DTYPE_BF16, prenorm, 3, 8200, {24, 8}, 0, false},     // row longer than the registers hold
+        {FLASHNORM_DTYPE_F16, prenorm, 19, 130, {24, 72}, 0, true},      // captured prenorm, K tail
     };
     for (Case const& c : cases)
         run_case(context, rng, c);

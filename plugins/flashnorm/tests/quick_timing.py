@@ -1,17 +1,24 @@
-"""First timing of the strategies against cuBLAS at decode sizes (bf16), used to set AUTO's
+"""First timing of the strategies against cuBLAS at decode sizes (bf16) and, with --prefill, of
+prenorm against two-stream and F.rms_norm + cuBLAS at large M (every dtype), used to set AUTO's
 thresholds; the full benchmark is benchmarks/kernels.py. Median µs per call from CUDA-graph
-replays of 20 back-to-back calls (launch gaps removed, like the baselines in BRIEF.md)."""
+replays of 20 back-to-back calls on one input set (launch gaps removed, like the baselines in
+BRIEF.md; W* may sit in L2 for the small shapes)."""
 
 from __future__ import annotations
 
 import argparse
 import os
 import statistics
+import sys
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 from flashnorm import kernels
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "benchmarks"))
+from shapes import SITES  # noqa: E402
 
 SHAPES = [(576, [576, 192, 192]), (576, [1536, 1536]), (2048, [3072]), (2048, [16384]), (4096, [6144]), (4096, [28672])]
 # The other dtypes on two shapes, to place AUTO's thresholds for them.
@@ -79,14 +86,47 @@ def table(dtype: torch.dtype, shapes, rows) -> None:
             )
 
 
+def prefill_table(dtype: torch.dtype, shapes, rows) -> None:
+    """prenorm vs two_stream vs F.rms_norm + cuBLAS vs cuBLAS alone; auto's pick in the last column."""
+    eps = 1e-5
+    print(
+        f"{str(dtype):>15} {'M×K×N':>18} {'cuBLAS':>8} {'rms+GEMM':>8} {'2stream':>8} {'prenorm':>8} {'auto':>8}"
+        f" {'prenorm/(rms+GEMM)':>18} {'2stream/(rms+GEMM)':>18} {'auto/(rms+GEMM)':>15}  picks"
+    )
+    for k, splits in shapes:
+        n = sum(splits)
+        w = (torch.randn(k, n, device="cuda") / k**0.5).to(dtype)
+        for m in rows:
+            x = torch.randn(m, k, device="cuda").to(dtype)
+            outs = [torch.empty(m, width, device="cuda", dtype=dtype) for width in splits]
+            gemm = time_us(lambda: torch.matmul(x, w))
+            baseline = time_us(lambda: torch.matmul(F.rms_norm(x, (k,), eps=eps), w))
+            two = time_us(lambda: kernels.flashnorm_matmul(x, w, eps, splits, "two_stream", outs))
+            prenorm = time_us(lambda: kernels.flashnorm_matmul(x, w, eps, splits, "prenorm", outs))
+            auto = time_us(lambda: kernels.flashnorm_matmul(x, w, eps, splits, "auto", outs))
+            print(
+                f"{'':>15} {f'{m}×{k}×{n}':>18} {gemm:8.1f} {baseline:8.1f} {two:8.1f} {prenorm:8.1f} {auto:8.1f}"
+                f" {prenorm / baseline:18.2f} {two / baseline:18.2f} {auto / baseline:15.2f}"
+                f"  {kernels.resolve_strategy(m, k, n, dtype, splits)}",
+                flush=True,
+            )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("rows", nargs="*", type=int, default=[1, 4, 8, 16, 32, 64])
     parser.add_argument("--fused-only", action="store_true", help="only the fused kernel, bf16")
+    parser.add_argument("--prefill", action="store_true", help="prenorm vs two_stream vs F.rms_norm + cuBLAS")
     args = parser.parse_args()
     kernels.warm_up()
     if args.fused_only:
         fused_table(args.rows)
+        return
+    if args.prefill:  # the real sites, splits included: prenorm runs one GEMM per split
+        sites = [(site.k, list(site.splits)) for site in SITES]
+        prefill_table(torch.bfloat16, sites, args.rows)
+        for dtype in (torch.float16, torch.float32):
+            prefill_table(dtype, [sites[2], sites[4]], [m for m in args.rows if m <= 1024])
         return
     table(torch.bfloat16, SHAPES, args.rows)
     for dtype, rows in OTHER_DTYPES:

@@ -47,6 +47,7 @@ grep -E "calls wrong|passed|failed" "$LOGS/pytest_mutant_race.log" | tail -4 | t
 
 step timing python3 plugins/flashnorm/tests/quick_timing.py "$@"
 cp "$LOGS/timing.log" "$OUT/timing.txt"
+python3 plugins/flashnorm/tests/quick_timing.py --prefill 64 256 1024 4096 >> "$OUT/timing.txt" 2>&1
 for size in 1 2 4 8; do # the fused kernel's blocks per column strip, forced (tuning the automatic choice)
     FLASHNORM_FUSED_CLUSTER_SIZE=$size python3 plugins/flashnorm/tests/quick_timing.py --fused-only 1 16 \
         >> "$OUT/timing.txt" 2>&1

@@ -65,9 +65,9 @@ bool validateAttributes(MatMulAttributes const& attributes, std::string& why)
             return false;
         }
     }
-    if (attributes.strategy < FLASHNORM_STRATEGY_AUTO || attributes.strategy > FLASHNORM_STRATEGY_FUSED)
+    if (attributes.strategy < FLASHNORM_STRATEGY_AUTO || attributes.strategy > FLASHNORM_STRATEGY_PRENORM)
     {
-        why = "strategy must be 0 (auto), 1 (two-stream) or 2 (fused), got " + std::to_string(attributes.strategy);
+        why = "strategy must be 0 (auto), 1 (two-stream), 2 (fused) or 3 (prenorm), got " + std::to_string(attributes.strategy);
         return false;
     }
     return true;

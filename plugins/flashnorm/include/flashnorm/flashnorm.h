@@ -37,9 +37,14 @@ typedef enum flashnorm_dtype
 
 typedef enum flashnorm_strategy
 {
-    FLASHNORM_STRATEGY_AUTO = 0,       /* picks by M and K·N; thresholds measured on H200, see capi.cpp */
+    FLASHNORM_STRATEGY_AUTO = 0,       /* picks by M, K·N, the narrowest split and the dtype; thresholds
+                                          measured on H200, see capi.cpp */
     FLASHNORM_STRATEGY_TWO_STREAM = 1, /* cuBLASLt GEMM on the caller's stream ‖ RMS on a side stream */
     FLASHNORM_STRATEGY_FUSED = 2,      /* one kernel: GEMV + sum(x²) + scale in its epilogue */
+    FLASHNORM_STRATEGY_PRENORM = 3,    /* x̂ = x ⊙ rsqrt(mean(x²)+eps) into the workspace (one rounding to
+                                          the I/O dtype), then one cuBLASLt GEMM per split writing its
+                                          output directly; for large M, where a pass over the N-wide
+                                          output costs more than one over the K-wide input */
 } flashnorm_strategy;
 
 typedef enum flashnorm_status
@@ -76,7 +81,8 @@ typedef struct flashnorm_problem
 FLASHNORM_API flashnorm_status flashnorm_context_create(flashnorm_context** context);
 FLASHNORM_API void flashnorm_context_destroy(flashnorm_context* context);
 
-/* Bytes of device workspace flashnorm_matmul needs for this problem or any smaller M. */
+/* Bytes of device workspace flashnorm_matmul needs for this problem or any smaller M (under AUTO
+ * too, whichever strategy it picks for the smaller M). The workspace must be 256-byte aligned. */
 FLASHNORM_API size_t flashnorm_workspace_size(flashnorm_problem const* problem);
 
 /* The strategy AUTO resolves to for this problem (never AUTO). */

@@ -641,7 +641,7 @@ void gpuChecks(IPluginCreatorV3One* creator, std::mt19937_64& rng)
         int64_t m;
         std::vector<int32_t> strategies;
     };
-    std::vector<Case> const cases = {{1, {0, 1, 2}}, {8, {0, 1, 2}}, {77, {0, 1}}, {512, {0, 1}}};
+    std::vector<Case> const cases = {{1, {0, 1, 2, 3}}, {8, {0, 1, 2, 3}}, {77, {0, 1, 3}}, {512, {0, 1, 3}}};
     for (DataType type : {DataType::kFLOAT, DataType::kHALF, DataType::kBF16})
     {
         for (auto const& splits : shapes)
@@ -674,7 +674,7 @@ void gpuChecks(IPluginCreatorV3One* creator, std::mt19937_64& rng)
 
     // CUDA graph: warm-up enqueue, capture (thread-local mode, as trtexec and Triton do),
     // then replay on inputs uploaded after capture.
-    for (int32_t strategy : {0, 1, 2})
+    for (int32_t strategy : {0, 1, 2, 3})
     {
         Problem p{strategy == 2 ? 4 : 64, 576, {576, 192, 192}, DataType::kHALF, 1e-5F};
         Attached a;
