@@ -83,6 +83,23 @@ def atomic_write(path: str | os.PathLike[str], mode: str = "wb") -> Iterator[IO]
         raise
 
 
+class _ByteProgress:
+    """Progress of a byte count, shown in MiB; the final line only for work long enough to
+    have shown progress."""
+
+    def __init__(self, label: str, total_bytes: int) -> None:
+        self.progress = Progress(f"{label} (MiB)", total=-(-total_bytes // _MIB))
+        self.bytes = 0
+
+    def step(self, nbytes: int) -> None:
+        self.bytes += nbytes
+        self.progress.step(self.bytes // _MIB - self.progress.done)
+
+    def finish(self) -> None:
+        if time.monotonic() - self.progress.start >= self.progress.interval:
+            self.progress.finish()
+
+
 # --------------------------------------------------------------------------------------------
 # Lazily loaded external tensors
 
@@ -228,7 +245,8 @@ def _external_range(tensor: onnx.TensorProto, base_dir: Path) -> tuple[Path, int
         raise FlashNormError(f"tensor {tensor.name!r}: malformed external data offset or length") from None
     if length != expected:
         raise FlashNormError(
-            f"tensor {tensor.name!r}: external data length {length} does not match its shape and type ({expected} bytes)"
+            f"tensor {tensor.name!r}: external data length {length} does not match "
+            f"its shape and type ({expected} bytes)"
         )
     size = path.stat().st_size
     if offset < 0 or offset + length > size:
@@ -302,7 +320,7 @@ def _read_field(handle: IO[bytes], wire_type: int) -> tuple[bytes, int]:
     raise DecodeError(f"unsupported wire type {wire_type}")
 
 
-def _read_model(handle: IO[bytes], end: int) -> onnx.ModelProto:
+def _read_model(handle: IO[bytes], end: int, progress: _ByteProgress) -> onnx.ModelProto:
     """Parse a ModelProto from a file, one initializer at a time.
 
     `ParseFromString` needs the whole file in memory next to the parsed model: an inline model
@@ -328,6 +346,7 @@ def _read_model(handle: IO[bytes], end: int) -> onnx.ModelProto:
             inner_head, inner_length = _read_field(handle, inner_type)
             if inner_number == 5 and inner_type == 2:  # GraphProto.initializer
                 model.graph.initializer.add().ParseFromString(_read_exact(handle, inner_length))
+                progress.step(inner_length)
             else:
                 graph_rest += inner_key + inner_head + _read_exact(handle, inner_length)
         if handle.tell() != graph_end:
@@ -340,8 +359,11 @@ def _read_model(handle: IO[bytes], end: int) -> onnx.ModelProto:
 
 def _parse_model(path: Path) -> onnx.ModelProto:
     try:
+        size = path.stat().st_size
+        progress = _ByteProgress(f"loading {path.name}", size)
         with open(path, "rb") as handle:
-            model = _read_model(handle, path.stat().st_size)
+            model = _read_model(handle, size, progress)
+        progress.finish()
     except (DecodeError, _Truncated):
         too_large = " (over protobuf's 2 GiB limit)" if path.stat().st_size >= _TWO_GIB else ""
         raise FlashNormError(f"{path} is not an ONNX model: protobuf parse failed{too_large}") from None
@@ -492,25 +514,6 @@ def _initializers(graph: gs.Graph) -> list[gs.Constant]:
 
 # --------------------------------------------------------------------------------------------
 # Save: where each tensor's bytes come from
-
-
-class _ByteProgress:
-    """Progress of a byte count, shown in MiB; the final line only for work long enough to
-    have shown progress."""
-
-    def __init__(self, label: str, total_bytes: int) -> None:
-        self.progress = Progress(f"{label} (MiB)", total=-(-total_bytes // _MIB))
-        self.bytes = 0
-
-    def step(self, nbytes: int) -> None:
-        self.bytes += nbytes
-        self.progress.step(self.bytes // _MIB - self.progress.done)
-
-    def finish(self) -> None:
-        if time.monotonic() - self.progress.start >= self.progress.interval:
-            self.progress.finish()
-
-
 
 
 @dataclasses.dataclass
@@ -745,14 +748,15 @@ def save(graph: gs.Graph, path: str | os.PathLike[str], *, external_data: bool |
             if stream is not None:
                 streams.append(stream)
                 constant._values = _ExportAs(stream.header)
-            elif not isinstance(constant._values, LazyValues) or isinstance(constant._values, (ExternalValues, DerivedValues)):
+            elif _needs_whole_proto(constant._values):
                 constant._values = _ExportAs(_whole_proto(constant))
 
         label = f"saving {destination.name}"
         if external_data:
             data_file = _Staged(data_path)
             staged.append(data_file)
-            _write_data_file(streams, data_file.fd, data_path.name, _ByteProgress(label, sum(s.nbytes for s in streams)))
+            progress = _ByteProgress(label, sum(s.nbytes for s in streams))
+            _write_data_file(streams, data_file.fd, data_path.name, progress)
             model = _export(graph)
             model_file = _Staged(destination)
             staged.append(model_file)
@@ -775,6 +779,12 @@ def save(graph: gs.Graph, path: str | os.PathLike[str], *, external_data: bool |
     else:
         for constant in constants:
             constant._values = originals[id(constant)]
+
+
+def _needs_whole_proto(values: object) -> bool:
+    """Whether the exporter must be handed a complete TensorProto for these values: it
+    exports an inline LazyValues' own proto as it is, anything else needs building."""
+    return not isinstance(values, LazyValues) or isinstance(values, (ExternalValues, DerivedValues))
 
 
 def _origin(values: object) -> object:

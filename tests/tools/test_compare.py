@@ -63,7 +63,7 @@ def test_given_ids_and_past(tiny_llama_onnx, tiny_folded, capsys):
 
 @pytest.mark.parametrize("argv_tail, message", [
     (["--input-ids", "1,500"], "[0, 128)"),
-    (["--past-length", "4"], "no KV-cache"),
+    (["--past-length", "4"], "needs a model with KV-cache inputs"),
     (["--batch", "0"], "--batch must be at least 1"),
     (["--providers", "NoSuchExecutionProvider"], "available"),
 ])
@@ -71,6 +71,21 @@ def test_bad_input_is_one_line(tiny_llama_onnx, tiny_folded, capsys, argv_tail, 
     assert cli.main(["compare", str(tiny_llama_onnx), str(tiny_folded), *argv_tail]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and message in err
+
+
+def test_kv_cache_model_with_a_real_past(session_tmp, tmp_path, capsys):
+    from models import cache
+
+    original = cache.tiny_llama_export(session_tmp, kv_cache=True)
+    optimize_file(original, tmp_path / "kv.flashnorm.onnx")
+    argv = ["compare", str(original), str(tmp_path / "kv.flashnorm.onnx"), "--past-length", "5", "--sequence", "3",
+            "--generate", "4", "--report", str(tmp_path / "r.json")]
+    assert cli.main(argv) == 0
+    report = json.loads((tmp_path / "r.json").read_text())
+    names = [o["name"] for o in report["outputs"]]
+    assert names == ["logits"] + [f"present.{i}.{kind}" for i in range(2) for kind in ("key", "value")]
+    assert report["outputs"][1]["shape"] == [2, 2, 8, 16]  # 5 past + 3 new positions
+    assert all(o["rel_l2"] < 1e-5 for o in report["outputs"]) and report["generation"]["identical"]
 
 
 def test_missing_model_file(tiny_llama_onnx, tmp_path, capsys):

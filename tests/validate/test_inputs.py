@@ -6,7 +6,9 @@ import numpy as np
 import pytest
 
 from flashnorm.errors import FlashNormError
-from flashnorm.validate import language_model_feeds, parse_input_ids, random_token_ids, read_signature
+from flashnorm.validate import (
+    language_model_feeds, make_session, parse_input_ids, prefill_past, random_token_ids, read_signature,
+)
 from models import cache
 
 
@@ -33,6 +35,22 @@ def test_feeds_with_past(session_tmp, rng):
     np.testing.assert_array_equal(feeds["position_ids"][0], [5, 6, 7])
     assert feeds["past_key_values.1.value"].shape == (2, 2, 5, 16)
     assert np.abs(feeds["past_key_values.0.key"]).max() > 0
+
+
+def test_prefilled_past_continues_the_prefix(session_tmp, rng):
+    """Prefix then continuation through the cache = the whole sequence at once."""
+    path = cache.tiny_llama_export(session_tmp, kv_cache=True)
+    session, signature = make_session(path), read_signature(path)
+    prefix, continuation = random_token_ids(128, 2, 6, rng), random_token_ids(128, 2, 3, rng)
+    past = prefill_past(session, prefix)
+    assert past["past_key_values.0.key"].shape == (2, 2, 6, 16)
+    feeds = language_model_feeds(signature, continuation, past=past)
+    np.testing.assert_array_equal(feeds["position_ids"][1], [6, 7, 8])
+    stepped = session.run(["logits"], feeds)[0]
+    empty = {spec.name: np.zeros((2, 2, 0, 16), np.float32) for spec in signature.past_inputs}
+    whole = language_model_feeds(signature, np.concatenate([prefix, continuation], axis=1), past=empty)
+    at_once = session.run(["logits"], whole)[0][:, 6:]
+    assert np.abs(stepped - at_once).max() / np.abs(at_once).max() < 1e-5
 
 
 def test_out_of_vocabulary_ids_are_refused(tiny_llama_onnx):

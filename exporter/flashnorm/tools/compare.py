@@ -30,7 +30,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     source.add_argument("--sequence", type=int, default=16, help="random inputs: sequence length (default 16)")
     source.add_argument("--iterations", type=int, default=1, help="random inputs: how many batches (default 1)")
     source.add_argument("--past-length", type=int, default=0,
-                        help="KV-cache models: length of the random past keys/values (default 0)")
+                        help="KV-cache models: feed a past of this many tokens, produced by the reference "
+                             "from a random prefix (default 0: empty past)")
     source.add_argument("--seed", type=int, help="seed for random inputs (default: fresh, printed in the report)")
     limits = parser.add_argument_group("pass/fail")
     limits.add_argument("--atol", type=float, default=DEFAULT_ATOL,
@@ -61,8 +62,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def build_inputs(args: argparse.Namespace) -> tuple[list[dict[str, np.ndarray]], dict[str, Any], np.ndarray]:
     """The feed dicts, their description for the report, and the token ids of the first."""
     from flashnorm.validate.inputs import (
-        describe_ids, language_model_feeds, parse_input_ids, random_token_ids, read_signature, tokenize, tokenizer_for,
+        describe_ids, language_model_feeds, parse_input_ids, prefill_past, random_token_ids, read_signature, tokenize,
+        tokenizer_for,
     )
+    from flashnorm.validate.runners import make_session
 
     signature = read_signature(args.reference)
     if "input_ids" not in signature.input_names:
@@ -89,9 +92,18 @@ def build_inputs(args: argparse.Namespace) -> tuple[list[dict[str, np.ndarray]],
         description["random_token_ids"] = f"{args.iterations} × [{args.batch}, {args.sequence}] in [0, {vocab})"
     if args.past_length < 0:
         raise FlashNormError("--past-length must be at least 0")
-    if args.past_length:
-        description["past_length"] = args.past_length
-    feeds = [language_model_feeds(signature, ids, past_length=args.past_length, rng=rng) for ids in id_batches]
+    if not args.past_length:
+        return [language_model_feeds(signature, ids) for ids in id_batches], description, id_batches[0]
+    if not signature.past_inputs or signature.vocab_size is None:
+        raise FlashNormError("--past-length needs a model with KV-cache inputs (flashnorm export --kv-cache)")
+    # The past both models get is the one the reference itself produces for a random prefix:
+    # random tensors as keys/values would be far outside anything the model ever sees.
+    session = make_session(args.reference)
+    feeds = []
+    for ids in id_batches:
+        prefix = random_token_ids(signature.vocab_size, ids.shape[0], args.past_length, rng)
+        feeds.append(language_model_feeds(signature, ids, past=prefill_past(session, prefix)))
+    description["past"] = f"{args.past_length} tokens, prefilled by the reference from random token ids"
     return feeds, description, id_batches[0]
 
 

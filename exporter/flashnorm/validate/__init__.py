@@ -17,6 +17,7 @@ from flashnorm.validate.inputs import (
     ModelSignature,
     language_model_feeds,
     parse_input_ids,
+    prefill_past,
     random_token_ids,
     read_signature,
     tokenize,
@@ -28,6 +29,6 @@ __all__ = [
     "DEFAULT_ATOL", "DEFAULT_MAX_REL_L2", "DEFAULT_RTOL", "ComparisonReport", "GenerationComparison",
     "ModelSignature", "OutputError", "RunnerFactory", "compare_generation", "compare_models",
     "error_statistics", "exact_name", "format_report", "greedy_generate", "language_model_feeds",
-    "make_session", "onnxrt_runner_factory", "parse_input_ids", "random_token_ids", "read_signature",
+    "make_session", "onnxrt_runner_factory", "parse_input_ids", "prefill_past", "random_token_ids", "read_signature",
     "tokenize", "tokenizer_for",
 ]

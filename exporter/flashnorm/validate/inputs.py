@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 import os
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 import numpy as np
 import onnx
@@ -103,18 +103,22 @@ def language_model_feeds(
     *,
     past_length: int = 0,
     rng: np.random.Generator | None = None,
+    past: Mapping[str, np.ndarray] | None = None,
 ) -> dict[str, np.ndarray]:
     """Feeds for a causal-LM graph: the given ids, a full attention mask, positions after
-    `past_length`, and (KV-cache graphs) random past keys/values of that length."""
+    the past, and (KV-cache graphs) the past keys/values: `past` when given (see
+    `prefill_past`), else random ones of length `past_length`."""
     batch, sequence = input_ids.shape
+    if past:
+        past_length = next(iter(past.values())).shape[2]
     names = set(signature.input_names)
     vocab = signature.vocab_size
     if vocab is not None and (input_ids.min() < 0 or input_ids.max() >= vocab):
         raise FlashNormError(f"token ids must lie in [0, {vocab}) for this model; got {input_ids.min()}..{input_ids.max()}")
-    past = signature.past_inputs
-    if past_length and not past:
+    past_inputs = signature.past_inputs
+    if past_length and not past_inputs:
         raise FlashNormError("a past length was given but the model has no KV-cache inputs")
-    total = (past_length if past else 0) + sequence
+    total = (past_length if past_inputs else 0) + sequence
     feeds: dict[str, np.ndarray] = {"input_ids": input_ids.astype(np.int64)}
     if "attention_mask" in names:
         feeds["attention_mask"] = np.ones((batch, total), dtype=np.int64)
@@ -122,7 +126,11 @@ def language_model_feeds(
         start = total - sequence
         feeds["position_ids"] = np.broadcast_to(np.arange(start, total, dtype=np.int64), (batch, sequence)).copy()
     generator = rng if rng is not None else np.random.default_rng()
-    for spec in past:
+    if past:
+        if set(past) != {spec.name for spec in past_inputs}:
+            raise FlashNormError("the given past keys/values do not match the model's KV-cache inputs")
+        feeds.update(past)
+    for spec in past_inputs if not past else ():
         heads, head_dim = spec.shape[1], spec.shape[3]
         if not isinstance(heads, int) or not isinstance(head_dim, int):
             raise FlashNormError(f"KV-cache input {spec.name} has no fixed head count/size: {spec.shape}")
@@ -131,6 +139,27 @@ def language_model_feeds(
     if unknown:
         raise FlashNormError(f"cannot build inputs {sorted(unknown)}: not a language-model graph")
     return feeds
+
+
+def prefill_past(session: Any, prefix_ids: np.ndarray) -> dict[str, np.ndarray]:
+    """The past keys/values a real generation carries after `prefix_ids`: the KV-cache graph
+    run (ONNX Runtime session) on the prefix with an empty past; present.* → past_key_values.*.
+    Random past tensors are far outside what a model ever sees and inflate roundoff."""
+    inputs = {i.name: i for i in session.get_inputs()}
+    batch, length = prefix_ids.shape
+    feeds: dict[str, np.ndarray] = {"input_ids": prefix_ids.astype(np.int64)}
+    if "attention_mask" in inputs:
+        feeds["attention_mask"] = np.ones((batch, length), dtype=np.int64)
+    if "position_ids" in inputs:
+        feeds["position_ids"] = np.broadcast_to(np.arange(length, dtype=np.int64), (batch, length)).copy()
+    past_names = [name for name in inputs if name.startswith("past_key_values.")]
+    if not past_names:
+        raise FlashNormError("the model has no KV-cache inputs to prefill")
+    for name in past_names:
+        shape = inputs[name].shape
+        feeds[name] = np.zeros((batch, shape[1], 0, shape[3]), dtype=np.float32)
+    wanted = [name.replace("past_key_values.", "present.") for name in past_names]
+    return dict(zip(past_names, session.run(wanted, feeds)))
 
 
 def tokenize(text: str, tokenizer: Any) -> np.ndarray:
