@@ -41,7 +41,10 @@ def _tool(name: str):
 
 
 def build_parser(argv: Sequence[str]) -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="flashnorm", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="flashnorm",
+        description="FlashNorm: fold, cancel and defer RMSNorm in ONNX transformers; build TensorRT engines and Triton repositories.",
+    )
     parser.add_argument("--version", action="version", version=f"flashnorm {__version__}")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
     subparsers.required = True
@@ -104,10 +107,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"flashnorm {args.command}: interrupted", file=sys.stderr)
         return 130
-    from flashnorm.report import _jsonable, write_json_report
+    from flashnorm.report import to_jsonable, write_json_report
 
     if args.report == "-":
-        print(json.dumps(_jsonable(report), indent=2))
+        print(json.dumps(to_jsonable(report), indent=2))
     else:
         if args.report:
             try:
@@ -116,7 +119,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 print(f"flashnorm {args.command}: error: {exc}", file=sys.stderr)
                 return exc.exit_code
         if not args.quiet and report is not None:
-            plain = _jsonable(report)
+            plain = to_jsonable(report)
             format_text = getattr(tool, "format_text", None)  # a tool may render its own table
             if format_text is not None:
                 print(format_text(plain))

@@ -44,15 +44,15 @@ class PassReport:
         }
 
 
-def _jsonable(value: Any) -> Any:
+def to_jsonable(value: Any) -> Any:
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return _jsonable(dataclasses.asdict(value))
+        return to_jsonable(dataclasses.asdict(value))
     if hasattr(value, "to_dict"):
-        return _jsonable(value.to_dict())
+        return to_jsonable(value.to_dict())
     if isinstance(value, dict):
-        return {str(k): _jsonable(v) for k, v in value.items()}
+        return {str(k): to_jsonable(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
-        return [_jsonable(v) for v in value]
+        return [to_jsonable(v) for v in value]
     if hasattr(value, "item") and callable(value.item):  # numpy scalars
         return value.item()
     if isinstance(value, os.PathLike):
@@ -62,6 +62,6 @@ def _jsonable(value: Any) -> Any:
 
 def write_json_report(path: str | os.PathLike[str], report: Any) -> None:
     """Write a report as JSON, atomically (a failure never leaves half a file)."""
-    text = json.dumps(_jsonable(report), indent=2, sort_keys=False) + "\n"
+    text = json.dumps(to_jsonable(report), indent=2, sort_keys=False) + "\n"
     with atomic_write(path, "w") as handle:
         handle.write(text)

@@ -8,7 +8,7 @@ import numpy as np
 import onnx
 import onnx_graphsurgeon as gs
 import pytest
-from onnx import TensorProto, helper
+from onnx import TensorProto, helper, numpy_helper
 
 from flashnorm import io
 from flashnorm.passes import run_passes
@@ -278,3 +278,64 @@ def test_smollm2_deferred_matches_folded(smollm2_onnx, smollm2_folded_onnx, rng)
     difference = deferred_logits.astype(np.float64) - folded_logits
     assert np.max(np.abs(difference)) / np.max(np.abs(folded_logits)) < 1e-5
     assert np.linalg.norm(difference) / np.linalg.norm(folded_logits) < 1e-5
+
+
+def test_optimize_external_model_assembles_the_weight_while_saving(rng, tmp_path, monkeypatch):
+    """fold + defer on an external-data model: no weight is read before the save; the save
+    reads each projection's weight once and writes their folded concatenation, bit for bit
+    the float64 fold of each (a plain MatMul, a Transpose'd [N, K] weight, Gemm transB=1
+    with alpha)."""
+    from flashnorm.passes import optimize_file
+    from synthetic import random_gain, relative_error, run
+
+    hidden = 64
+    b = GraphBuilder(17)
+    gain = random_gain(rng, hidden)
+    weights = {
+        "q": (rng.standard_normal((hidden, 48)) / 8).astype(np.float32),
+        "k_t": (rng.standard_normal((32, hidden)) / 8).astype(np.float32),
+        "v_t": (rng.standard_normal((40, hidden)) / 8).astype(np.float32),
+    }
+    names = {role: b.const(w, role) for role, w in weights.items()}
+    y = pow_div(b, "x", gain, 1e-5)
+    outputs = [b.op("MatMul", [y, names["q"]]),
+               b.op("MatMul", [y, b.op("Transpose", [names["k_t"]], perm=[1, 0])]),
+               b.op("Gemm", [y, names["v_t"]], transB=1, alpha=0.5)]
+    model = b.model([helper.make_tensor_value_info("x", TensorProto.FLOAT, ["tokens", hidden])], outputs)
+    source, out = tmp_path / "in.onnx", tmp_path / "out.onnx"
+    onnx.save(model, str(source), save_as_external_data=True, location="in.bin", size_threshold=1024)
+
+    reads, saving = [], [False]
+    real_load, real_save = io.ExternalValues.load, io.save
+
+    def load(self):
+        reads.append((self.tensor.name, saving[0]))
+        return real_load(self)
+
+    def save(*args, **kwargs):
+        saving[0] = True
+        try:
+            return real_save(*args, **kwargs)
+        finally:
+            saving[0] = False
+
+    monkeypatch.setattr(io.ExternalValues, "load", load)
+    monkeypatch.setattr(io, "save", save)
+    report = optimize_file(source, out, "fold,defer")
+    assert report["summary"] == {"fold.folded": 1, "defer.deferred": 1}, report["summary"]
+    assert sorted(reads) == sorted((name, True) for name in names.values()), reads
+
+    saved = onnx.load(str(out))
+    (node,) = flashnorm_nodes(saved)
+    stored = next(numpy_helper.to_array(t) for t in saved.graph.initializer if t.name == node.input[1])
+    g = gain.astype(np.float64)
+    expected = np.concatenate([
+        (weights["q"].astype(np.float64) * g[:, None]).astype(np.float32),
+        (weights["k_t"].astype(np.float64) * g[None, :]).astype(np.float32).T,
+        ((weights["v_t"].astype(np.float64) * g[None, :]).astype(np.float32).T.astype(np.float64) * 0.5)
+        .astype(np.float32),
+    ], axis=1)
+    np.testing.assert_array_equal(stored, expected)
+    x = {"x": rng.standard_normal((5, hidden)).astype(np.float32)}
+    for got, want in zip(run(str(out), x), run(str(source), x)):
+        assert relative_error(got, want) < 1e-5

@@ -3,6 +3,8 @@ stays a norm ONNX Runtime fuses (gain of ones, not Identity)."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import onnx
 import onnx_graphsurgeon as gs
@@ -10,7 +12,7 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from flashnorm.match import find_norm_sites
-from flashnorm.passes.fold import fold
+from flashnorm.passes.fold import fold, row_scaler
 from synthetic import CONSUMERS, SPELLINGS, GraphBuilder, axes_input, build_norm_model, pow_div, random_gain
 
 
@@ -265,3 +267,191 @@ def test_broadcasting_gain_keeps_its_shape(rng, optimize, max_error):
     folded, reports = optimize(model, ["fold"])
     assert reports["fold"].count("folded") == 1
     assert max_error(model, folded) < 1e-5  # includes the Shape output: [1, tokens, D]
+
+
+# ── Scale: weights are read only while the optimized model is written ─────────────────────
+
+def test_row_scaler_matches_the_float64_formula_bit_for_bit(rng):
+    """float32 weights and float32 gains are scaled in place in float32: the same bits as
+    float64 then cast, including signs, tiny and huge products. A gain float32 cannot hold
+    and a float16 weight go through float64."""
+    weight = rng.standard_normal((256, 384)).astype(np.float32)
+    weight[0, :8] = [1e-38, -3e-39, 3e38, -3e38, 1e-45, 0.0, -0.0, 1.0]  # subnormals, overflow
+    gains = {
+        "float32 gain": random_gain(rng, 256).astype(np.float64),
+        "gain float32 cannot hold": random_gain(rng, 256).astype(np.float64) * (1 + 2.0**-30),
+    }
+    gains["float32 gain"][:3] = np.float32([1e-30, 1e30, -2.0])
+    for case, gain in gains.items():
+        for axis in (0, 1):  # [K, N] rows, [N, K] columns
+            w = weight if axis == 0 else weight[:, :256].copy()
+            g = gain.reshape((-1, 1) if axis == 0 else (1, -1))
+            fresh = w.copy()
+            with np.errstate(over="ignore"):
+                expected = (w.astype(np.float64) * g).astype(np.float32)
+                actual = row_scaler(g, w.dtype)(fresh)
+            assert actual.dtype == np.float32
+            assert (actual is fresh) == (case == "float32 gain"), "in place exactly when float32 holds the gain"
+            np.testing.assert_array_equal(actual.view(np.uint32), expected.view(np.uint32), err_msg=case)
+    # The second gain really needs float64: rounding it to float32 first changes results.
+    g = gains["gain float32 cannot hold"].reshape(-1, 1)
+    with np.errstate(over="ignore"):
+        assert not np.array_equal(weight * g.astype(np.float32), (weight.astype(np.float64) * g).astype(np.float32))
+
+    half = rng.standard_normal((256, 64)).astype(np.float16)
+    g = gains["float32 gain"].reshape(-1, 1)
+    with np.errstate(over="ignore"):
+        np.testing.assert_array_equal(row_scaler(g, half.dtype)(half.copy()),
+                                      (half.astype(np.float64) * g).astype(np.float16))
+
+
+def _two_block_model(rng, hidden: int, ffn: int) -> tuple[onnx.ModelProto, dict[str, str], dict[str, np.ndarray]]:
+    """x → norm(g1) → up → Relu → down → + x → norm(g2) → q, and k behind a Transpose ([N, K]
+    weight: columns scaled). Returns the model, weight names by role, and every weight by name."""
+    b = GraphBuilder(17)
+    values = {
+        "g1": random_gain(rng, hidden), "g2": random_gain(rng, hidden),
+        "up": (rng.standard_normal((hidden, ffn)) / 8).astype(np.float32),
+        "down": (rng.standard_normal((ffn, hidden)) / 16).astype(np.float32),
+        "q": (rng.standard_normal((hidden, hidden)) / 8).astype(np.float32),
+        "k_t": (rng.standard_normal((hidden, hidden)) / 8).astype(np.float32),
+    }
+    names = {role: b.const(v, role) for role, v in values.items() if not role.startswith("g")}
+    y1 = pow_div(b, "x", values["g1"], 1e-5)
+    down = b.op("MatMul", [b.op("Relu", [b.op("MatMul", [y1, names["up"]])]), names["down"]])
+    y2 = pow_div(b, b.op("Add", ["x", down]), values["g2"], 1e-5)
+    q = b.op("MatMul", [y2, names["q"]])
+    k = b.op("MatMul", [y2, b.op("Transpose", [names["k_t"]], perm=[1, 0])])
+    model = b.model([helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", hidden])], [q, k])
+    weights = {names[role]: v for role, v in values.items() if role in names}
+    return model, names, weights | {"g1": values["g1"], "g2": values["g2"]}
+
+
+def _save_external(model: onnx.ModelProto, path) -> None:
+    onnx.save(model, str(path), save_as_external_data=True, location="weights.bin", size_threshold=1024)
+
+
+@pytest.fixture
+def external_reads(monkeypatch):
+    """[(tensor name, whether io.save was running)] for every external weight read."""
+    from flashnorm import io
+
+    reads: list[tuple[str, bool]] = []
+    saving = [False]
+    real_load, real_save = io.ExternalValues.load, io.save
+
+    def load(self):
+        reads.append((self.tensor.name, saving[0]))
+        return real_load(self)
+
+    def save(*args, **kwargs):
+        saving[0] = True
+        try:
+            return real_save(*args, **kwargs)
+        finally:
+            saving[0] = False
+
+    monkeypatch.setattr(io.ExternalValues, "load", load)
+    monkeypatch.setattr(io, "save", save)
+    return reads
+
+
+def test_optimize_external_model_reads_folded_weights_once_while_saving(rng, tmp_path, external_reads):
+    """`optimize_file` (fold + cancel) on an external-data model: planning, fold and cancel
+    read no weight; the save reads each folded weight once and copies the others file to
+    file; the folded weights are the float64 formula's bits."""
+    from flashnorm.passes import optimize_file
+    from synthetic import relative_error, run
+
+    model, names, weights = _two_block_model(rng, hidden=64, ffn=256)
+    source, out = tmp_path / "in" / "model.onnx", tmp_path / "model.flashnorm.onnx"
+    source.parent.mkdir()
+    _save_external(model, source)
+
+    report = optimize_file(source, out)
+    assert report["summary"]["fold.folded"] == 2, report["summary"]
+    assert all(saving for _, saving in external_reads), f"read before the save: {external_reads}"
+    folded_sources = sorted([names["up"], names["q"], names["k_t"]])
+    assert sorted(name for name, _ in external_reads) == folded_sources, "each folded weight read once, nothing else"
+
+    saved = {t.name: numpy_helper.to_array(t) for t in onnx.load(str(out)).graph.initializer}
+    g1, g2 = weights["g1"].astype(np.float64), weights["g2"].astype(np.float64)
+    expected = {
+        names["up"]: (weights[names["up"]].astype(np.float64) * g1[:, None]).astype(np.float32),
+        names["q"]: (weights[names["q"]].astype(np.float64) * g2[:, None]).astype(np.float32),
+        names["k_t"]: (weights[names["k_t"]].astype(np.float64) * g2[None, :]).astype(np.float32),
+    }
+    for name, want in expected.items():
+        (folded,) = [v for n, v in saved.items() if n.startswith(f"{name}.folded_for.")]
+        np.testing.assert_array_equal(folded, want)
+    np.testing.assert_array_equal(saved[names["down"]], weights[names["down"]])
+
+    x = {"x": rng.standard_normal((3, 64)).astype(np.float32)}
+    for got, want in zip(run(str(out), x), run(str(source), x)):
+        assert relative_error(got, want) < 1e-5
+
+
+def test_untie_copies_a_tied_weight_lazily(rng, tmp_path, external_reads):
+    """--untie on an external-data model: the LM head's folded copy is computed while
+    saving; the embedding keeps the original table, copied file to file."""
+    from flashnorm.passes import optimize_file
+
+    model, table = _tied_model(rng)
+    source, out = tmp_path / "tied.onnx", tmp_path / "tied.flashnorm.onnx"
+    _save_external(model, source)
+    (name,) = [t.name for t in onnx.load(str(source), load_external_data=False).graph.initializer
+               if t.data_location == TensorProto.EXTERNAL]
+
+    report = optimize_file(source, out, untie=True)
+    assert report["summary"]["fold.folded"] == 1
+    assert external_reads == [(name, True)]
+    saved = onnx.load(str(out))
+    (gather,) = [n for n in saved.graph.node if n.op_type == "Gather"]
+    initializers = {t.name: numpy_helper.to_array(t) for t in saved.graph.initializer}
+    np.testing.assert_array_equal(initializers[gather.input[0]], table)
+    (copy,) = [v for n, v in initializers.items() if n.startswith(f"{name}.folded_for.")]
+    (site,) = find_norm_sites(gs.import_onnx(model))
+    np.testing.assert_array_equal(copy, (table.astype(np.float64) * site.gain[None, :]).astype(np.float32))
+
+
+_PEAK_SCRIPT = """
+import sys
+from flashnorm.passes import optimize_file
+from flashnorm.progress import Progress
+
+def peak_mb():
+    with open("/proc/self/status") as status:
+        return int(next(line.split()[1] for line in status if line.startswith("VmHWM:"))) / 1024
+
+Progress.enabled = False
+small, big, out = sys.argv[1:4]
+# A warm-up on the same graph with small weights pays the fixed costs (imports, the
+# matcher's ONNX Runtime self-check sessions) before measuring what the weights cost.
+optimize_file(small, out)
+before = peak_mb()
+report = optimize_file(big, out)
+print(report["summary"]["fold.folded"], peak_mb() - before)
+"""
+
+
+@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads VmHWM from /proc (Linux)")
+def test_optimize_holds_at_most_one_weight(rng, tmp_path):
+    """96 MB of external weights, 64 MB of them folded: `optimize_file`'s peak grows by
+    about one tensor (the largest, 32 MB, read, scaled in place, written, freed), not by
+    every folded weight (the eager fold: about 200 MB)."""
+    import subprocess
+    import sys
+
+    small = tmp_path / "small.onnx"
+    _save_external(_two_block_model(rng, hidden=64, ffn=128)[0], small)
+    model, names, weights = _two_block_model(rng, hidden=2048, ffn=4096)
+    big = tmp_path / "big.onnx"
+    _save_external(model, big)
+    tensor_mb = weights[names["up"]].nbytes / 2**20
+    del model, weights
+    result = subprocess.run([sys.executable, "-c", _PEAK_SCRIPT, str(small), str(big), str(tmp_path / "out.onnx")],
+                            capture_output=True, text=True, check=True)
+    folded, growth_mb = result.stdout.split()[-2:]
+    assert folded == "2"
+    assert float(growth_mb) < 1.5 * tensor_mb, \
+        f"peak grew by {float(growth_mb):.1f} MB (one tensor is {tensor_mb:.0f} MB)"

@@ -171,8 +171,12 @@ class _Walker:
         if not is_constant_expression(weight):
             raise NotCancellable(f"{where} weight {weight.name!r} is not a constant")
         if node.op == "MatMul":
-            value = constant_value(weight)
-            rank = value.ndim if value is not None else tensor_rank(weight)
+            # The rank from the shape: reading a (lazily loaded or folded) weight's values
+            # only to count its axes would load it into memory for good.
+            rank = tensor_rank(weight)
+            if rank is None:
+                value = constant_value(weight)
+                rank = None if value is None else value.ndim
             if rank != 2:
                 raise NotCancellable(f"{where} weight rank is {rank}, not 2")
         return layout

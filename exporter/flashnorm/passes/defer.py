@@ -11,6 +11,10 @@ fields eps FLOAT32 and splits INT32) and the model carries a model-local ONNX fu
 same name with the reference decomposition, so ONNX Runtime (and TensorRT without the
 plugin, within the limits docs/TENSORRT.md gives) runs the same file.
 
+Weights are not read while the pass runs: planning checks shapes and dtypes, and the
+concatenated weight is an `io.DerivedValues` that `io.save` assembles while writing it, one
+consumer weight at a time.
+
 One function per output count: ONNX fixes a function's outputs, and a q|k|v node has three
 while a gate|up node has two. The functions are overloads (ONNX IR 10) of one name;
 onnx-graphsurgeon does not model overloads, so `add_reference_functions` writes them into the
@@ -26,7 +30,9 @@ import numpy as np
 import onnx
 import onnx_graphsurgeon as gs
 from onnx import helper
+from onnx_graphsurgeon.ir.tensor import LazyValues
 
+from flashnorm.io import DerivedValues
 from flashnorm.match import NormSite, find_norm_sites
 from flashnorm.match.constants import constant_value, producer
 from flashnorm.progress import track
@@ -53,12 +59,29 @@ class Projection:
     """One consumer of the normalized tensor, as the deferred node will compute it."""
 
     node: gs.Node
-    weight: np.ndarray
-    """[K, N_i] in the weight's own dtype (transposed and Gemm alpha applied)."""
+    weight: gs.Constant
+    """The stored weight, [K, N_i] or, with `transposed`, [N_i, K]; not read by planning."""
+
+    transposed: bool
+    alpha: float
+    """Gemm's alpha, multiplied into the weight (in float64, cast back)."""
 
     output: gs.Variable
     bias: Optional[np.ndarray] = None
     """Gemm's beta·C, added after the node; None without a bias."""
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        """[K, N_i]: the weight as the deferred node reads it."""
+        rows, columns = (int(d) for d in self.weight.shape)
+        return (columns, rows) if self.transposed else (rows, columns)
+
+    def matrix(self, stored: np.ndarray) -> np.ndarray:
+        """The [K, N_i] weight in its own dtype (transposed, alpha applied) from the stored values."""
+        weight = stored.T if self.transposed else stored
+        if self.alpha != 1.0:
+            weight = (weight.astype(np.float64) * self.alpha).astype(stored.dtype)
+        return weight
 
 
 def _dtype_name(dtype) -> Optional[str]:
@@ -70,8 +93,10 @@ def _dtype_name(dtype) -> Optional[str]:
         return str(dtype)
 
 
-def _constant_matrix(tensor: gs.Tensor, where: str) -> tuple[np.ndarray, bool]:
-    """The value of a weight and whether it sat behind a Transpose([1, 0])."""
+def _constant_matrix(tensor: gs.Tensor, where: str) -> tuple[gs.Constant, bool]:
+    """A weight as a constant and whether it sat behind a Transpose([1, 0]). An initializer is
+    returned as it is (its values stay unread); a weight computed from constants (Constant
+    node, Cast, ...) is evaluated into a new in-memory constant."""
     transposed = False
     source = producer(tensor)
     if source is not None and source.op == "Transpose":
@@ -79,14 +104,29 @@ def _constant_matrix(tensor: gs.Tensor, where: str) -> tuple[np.ndarray, bool]:
         if perm != [1, 0]:
             raise NotDeferrable(f"{where}: weight Transpose perm {perm} is not [1, 0]")
         tensor, transposed = source.inputs[0], True
-    value = constant_value(tensor)
-    if value is None:
-        raise NotDeferrable(f"{where}: weight {tensor.name!r} is not a constant")
-    if value.ndim != 2:
-        raise NotDeferrable(f"{where}: weight {tensor.name!r} has rank {value.ndim}, not 2")
-    if _dtype_name(value.dtype) not in _FLOAT_NAMES:
-        raise NotDeferrable(f"{where}: weight {tensor.name!r} has dtype {_dtype_name(value.dtype)} (quantized or integer)")
-    return value, transposed
+    if isinstance(tensor, gs.Constant):
+        constant = tensor
+    else:
+        value = constant_value(tensor)
+        if value is None:
+            raise NotDeferrable(f"{where}: weight {tensor.name!r} is not a constant")
+        constant = gs.Constant(tensor.name, value)
+    rank = len(constant.shape)
+    if rank != 2:
+        raise NotDeferrable(f"{where}: weight {tensor.name!r} has rank {rank}, not 2")
+    dtype = _stored_dtype_name(constant)
+    if dtype not in _FLOAT_NAMES:
+        raise NotDeferrable(f"{where}: weight {tensor.name!r} has dtype {dtype} (quantized or integer)")
+    return constant, transposed
+
+
+def _stored_dtype_name(constant: gs.Constant) -> Optional[str]:
+    """A constant's dtype name without reading it (an unloaded bfloat16 constant reports its
+    ONNX type number)."""
+    dtype = constant.dtype
+    if isinstance(dtype, (int, np.integer)):
+        return onnx.TensorProto.DataType.Name(int(dtype)).lower()
+    return _dtype_name(dtype)
 
 
 def _projection(site: NormSite, node: gs.Node, dtype: str, hidden: Optional[int]) -> Projection:
@@ -96,19 +136,15 @@ def _projection(site: NormSite, node: gs.Node, dtype: str, hidden: Optional[int]
         if node.inputs[0] is not site.output or node.inputs[1] is site.output:
             raise NotDeferrable(f"{where} does not read the normalized tensor as its left operand only")
         weight, transposed = _constant_matrix(node.inputs[1], where)
-        if transposed:
-            weight = weight.T
+        alpha = 1.0
     elif node.op == "Gemm":
         if node.inputs[0] is not site.output or int(node.attrs.get("transA", 0)) != 0:
             raise NotDeferrable(f"{where} does not read the normalized tensor as A (transA=0)")
         if node.inputs[1] is site.output or (len(node.inputs) > 2 and node.inputs[2] is site.output):
             raise NotDeferrable(f"{where} reads the normalized tensor as B or C")
         weight, transposed = _constant_matrix(node.inputs[1], where)
-        if transposed != (int(node.attrs.get("transB", 0)) == 1):
-            weight = weight.T
+        transposed = transposed != (int(node.attrs.get("transB", 0)) == 1)
         alpha = float(node.attrs.get("alpha", 1.0))
-        if alpha != 1.0:
-            weight = (weight.astype(np.float64) * alpha).astype(weight.dtype)
         if len(node.inputs) > 2 and node.inputs[2].name:
             c = constant_value(node.inputs[2])
             if c is None:
@@ -117,14 +153,15 @@ def _projection(site: NormSite, node: gs.Node, dtype: str, hidden: Optional[int]
             bias = c if beta == 1.0 else (c.astype(np.float64) * beta).astype(c.dtype)
     else:
         raise NotDeferrable(f"{where} is not a projection (MatMul or Gemm with a constant weight)")
-    if _dtype_name(weight.dtype) != dtype:
-        raise NotDeferrable(f"{where}: weight dtype {_dtype_name(weight.dtype)} differs from the activation's {dtype}")
-    if hidden is not None and weight.shape[0] != hidden:
-        raise NotDeferrable(f"{where}: weight has {weight.shape[0]} rows, the norm has {hidden} channels")
+    if _stored_dtype_name(weight) != dtype:
+        raise NotDeferrable(f"{where}: weight dtype {_stored_dtype_name(weight)} differs from the activation's {dtype}")
+    projection = Projection(node, weight, transposed, alpha, node.outputs[0], bias)
+    if hidden is not None and projection.shape[0] != hidden:
+        raise NotDeferrable(f"{where}: weight has {projection.shape[0]} rows, the norm has {hidden} channels")
     output = node.outputs[0]
     if output.dtype is not None and _dtype_name(output.dtype) != dtype:
         raise NotDeferrable(f"{where}: output dtype {_dtype_name(output.dtype)} differs from the activation's {dtype}")
-    return Projection(node, np.ascontiguousarray(weight), output, bias)
+    return projection
 
 
 def _hidden_size(site: NormSite) -> Optional[int]:
@@ -171,7 +208,7 @@ def plan_defer(site: NormSite, graph_outputs: frozenset[str]) -> DeferPlan:
         raise NotDeferrable(f"{len(consumers)} consumers; the plugin takes at most {MAX_OUTPUTS}")
     hidden = _hidden_size(site)
     projections = [_projection(site, node, dtype, hidden) for node in consumers]
-    if len({p.weight.shape[0] for p in projections}) != 1:
+    if len({p.shape[0] for p in projections}) != 1:
         raise NotDeferrable("the consumers' weights disagree on K")
     return DeferPlan(projections, shape_readers)
 
@@ -197,8 +234,7 @@ def apply_defer(graph: gs.Graph, site: NormSite, plan: DeferPlan) -> gs.Node:
     for reader in plan.shape_readers:
         reader.inputs[0] = site.input
     projections = plan.projections
-    weight = np.concatenate([p.weight for p in projections], axis=1)
-    weight_constant = gs.Constant(f"{site.name}.flashnorm_deferred_weight", weight)
+    weight_constant = gs.Constant(f"{site.name}.flashnorm_deferred_weight", _concatenated(projections))
     outputs, bias_nodes = [], []
     for p in projections:
         p.node.outputs.clear()  # the consumer's output tensor is now written by the new node
@@ -218,7 +254,7 @@ def apply_defer(graph: gs.Graph, site: NormSite, plan: DeferPlan) -> gs.Node:
             "plugin_version": PLUGIN_VERSION,
             "plugin_namespace": PLUGIN_NAMESPACE,
             "eps": float(site.eps),
-            "splits": [int(p.weight.shape[1]) for p in projections],
+            "splits": [p.shape[1] for p in projections],
         },
         inputs=[site.input, weight_constant],
         outputs=outputs,
@@ -226,6 +262,41 @@ def apply_defer(graph: gs.Graph, site: NormSite, plan: DeferPlan) -> gs.Node:
     graph.nodes.append(node)
     graph.nodes.extend(bias_nodes)
     return node
+
+
+def _concatenated(projections: list[Projection]) -> DerivedValues:
+    """The projections' [K, N_i] weights side by side, [K, ΣN_i], computed when saved or read:
+    each weight is read and copied into its columns in turn, so assembling it holds the
+    result and one consumer weight, never all of them twice."""
+    first = projections[0]
+    # Each weight's values object as it is now, as DerivedValues keeps its own source's.
+    sources = [p.weight._values for p in projections]
+    widths = [p.shape[1] for p in projections]
+    rows, columns = first.shape[0], sum(widths)
+    dtype = _numpy_dtype(first.weight)  # planning checked that every weight has the activation's dtype
+
+    def assemble(first_values: np.ndarray) -> np.ndarray:
+        result = np.empty((rows, columns), dtype=dtype)
+        start = 0
+        for i, (projection, width) in enumerate(zip(projections, widths)):
+            stored = first_values if i == 0 else _read(sources[i])
+            result[:, start:start + width] = projection.matrix(stored)
+            start += width
+        return result
+
+    return DerivedValues(first.weight, assemble, shape=(rows, columns), dtype=dtype)
+
+
+def _read(values: object) -> np.ndarray:
+    """A constant's values, read from disk if they are lazy (without caching them on the constant)."""
+    return values.load() if isinstance(values, LazyValues) else np.asarray(values)
+
+
+def _numpy_dtype(constant: gs.Constant) -> np.dtype:
+    dtype = constant.dtype
+    if isinstance(dtype, (int, np.integer)):
+        return np.dtype(helper.tensor_dtype_to_np_dtype(int(dtype)))
+    return np.dtype(dtype)
 
 
 def defer(graph: gs.Graph) -> tuple[gs.Graph, PassReport]:

@@ -1,21 +1,28 @@
 """Fold (Proposition 1): RMSNorm(x)·g → W  becomes  x/rms(x) → W* with W* = diag(g)·W.
 
 The gain is multiplied in float64 into the weight of every consumer of the normalized
-tensor and cast back to the weight's dtype; the site keeps a gain of ones (not an Identity,
-so that ONNX Runtime still fuses the norm). A site is folded only if EVERY consumer is a
-linear op with a constant float weight; a weight any other node also reads (a tied
-embedding) is never changed in place: the site keeps its gain, or with `untie=True` its
-consumer gets its own folded copy. Quantized weights are never folded.
+tensor and cast back to the weight's dtype (float32 weights by gains float32 holds exactly:
+in float32, which gives the same bits); the site keeps a gain of ones (not an Identity, so
+that ONNX Runtime still fuses the norm). A site is folded only if EVERY consumer is a linear
+op with a constant float weight; a weight any other node also reads (a tied embedding) is
+never changed in place: the site keeps its gain, or with `untie=True` its consumer gets its
+own folded copy. Quantized weights are never folded.
+
+Weights are not read while the pass runs: planning checks shapes and dtypes only, and each
+folded weight is an `io.DerivedValues` that `io.save` computes while writing it, so a model
+larger than memory is folded one tensor at a time.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional
+from typing import Callable, Optional
 
 import numpy as np
+import onnx
 import onnx_graphsurgeon as gs
 
+from flashnorm.io import DerivedValues
 from flashnorm.match import NormSite, find_norm_sites
 from flashnorm.match.constants import SHAPE_ONLY_OPS, producer, stored_dtype_name
 from flashnorm.match.gain import gain_slot_shape
@@ -35,9 +42,14 @@ class WeightEdit:
     node: gs.Node
     index: int
     weight: gs.Tensor
-    values: np.ndarray
+    stored: gs.Constant
+    """The constant holding the weight's values (`weight` itself, or a Constant node's value);
+    never read by planning."""
+
+    shape: tuple[int, ...]
+    dtype: np.dtype
     gain_axis: int
-    """Axis of `values` that runs over the normalized channels (0: [K,N] rows, 1: [N,K] columns)."""
+    """Axis of the weight that runs over the normalized channels (0: [K,N] rows, 1: [N,K] columns)."""
 
     transpose: Optional[gs.Node] = None
     shared_with: list[str] = dataclasses.field(default_factory=list)
@@ -100,21 +112,24 @@ def _weight_edit(site: NormSite, node: gs.Node) -> WeightEdit:
     if stored is not None and stored_dtype_name(stored) not in _FOLDABLE_DTYPES:
         raise NotFoldable(f"{where}: weight {stored.name!r} is stored as {stored_dtype_name(stored)} "
                           "(quantized or integer); never folded")
-    values = _weight_values(weight)
-    if values is None:
+    constant = _weight_constant(weight)
+    if constant is None:
         raise NotFoldable(f"{where}: weight {weight.name!r} is not a constant")
-    if values.dtype.name not in _FOLDABLE_DTYPES:
-        raise NotFoldable(f"{where}: weight {weight.name!r} has dtype {values.dtype.name} (quantized or integer)")
-    if values.ndim != 2:
-        raise NotFoldable(f"{where}: weight {weight.name!r} has rank {values.ndim}, not 2")
+    dtype = _numpy_dtype(constant.dtype)
+    if dtype is None or dtype.name not in _FOLDABLE_DTYPES:
+        raise NotFoldable(f"{where}: weight {weight.name!r} has dtype {stored_dtype_name(constant)} "
+                          "(quantized or integer)")
+    shape = tuple(int(d) for d in constant.shape)
+    if len(shape) != 2:
+        raise NotFoldable(f"{where}: weight {weight.name!r} has rank {len(shape)}, not 2")
     gain_axis = 1 if transposed else 0
-    if values.shape[gain_axis] != site.gain.size:
-        raise NotFoldable(f"{where}: weight shape {list(values.shape)} does not match {site.gain.size} channels")
+    if shape[gain_axis] != site.gain.size:
+        raise NotFoldable(f"{where}: weight shape {list(shape)} does not match {site.gain.size} channels")
     readers = [n for n in weight.outputs if n is not (transpose or node)]
     if transpose is not None:
         readers += [n for n in transpose.outputs[0].outputs if n is not node]
     shared_with = [f"{n.op} {n.name!r}" for n in readers]
-    return WeightEdit(node, index, weight, values, gain_axis, transpose, shared_with)
+    return WeightEdit(node, index, weight, constant, shape, dtype, gain_axis, transpose, shared_with)
 
 
 def _stored_weight(weight: gs.Tensor) -> Optional[gs.Tensor]:
@@ -129,29 +144,63 @@ def _stored_weight(weight: gs.Tensor) -> Optional[gs.Tensor]:
     return None
 
 
-def _weight_values(weight: gs.Tensor) -> Optional[np.ndarray]:
+def _weight_constant(weight: gs.Tensor) -> Optional[gs.Constant]:
+    """The constant that holds `weight`'s values: an initializer or a Constant node's value."""
     if isinstance(weight, gs.Constant):
-        return np.asarray(weight.values)
+        return weight
     node = producer(weight)
-    if node is not None and node.op == "Constant" and "value" in node.attrs:
-        return np.asarray(node.attrs["value"].values)
+    if node is not None and node.op == "Constant" and isinstance(node.attrs.get("value"), gs.Constant):
+        return node.attrs["value"]
     return None
 
 
+def _numpy_dtype(dtype: object) -> Optional[np.dtype]:
+    """A constant's dtype as NumPy's (an unloaded bfloat16 constant reports its ONNX type)."""
+    try:
+        if isinstance(dtype, (int, np.integer)):
+            return np.dtype(onnx.helper.tensor_dtype_to_np_dtype(int(dtype)))
+        return np.dtype(dtype)
+    except (KeyError, TypeError, ValueError):
+        return None
+
+
+def row_scaler(gain: np.ndarray, dtype: np.dtype) -> Callable[[np.ndarray], np.ndarray]:
+    """The function that turns a weight W of `dtype` into (W · gain) rounded once to `dtype`,
+    `gain` (float64) broadcasting over W's rows or columns.
+
+    A float32 weight and a gain that float32 holds exactly are multiplied in float32, in
+    place on the freshly read array: the float64 product of two float32 numbers is exact
+    (24 + 24 significant bits fit in 53, and the exponent range too), so both ways round the
+    same real number once and give the same bits. Everything else is computed in float64
+    and cast back."""
+    with np.errstate(over="ignore"):  # a gain beyond float32's range is simply not held exactly
+        narrow = gain.astype(np.float32)
+    if dtype == np.float32 and np.array_equal(narrow.astype(np.float64), gain):
+        return lambda w: np.multiply(w, narrow, out=w)
+
+    def scale_in_float64(w: np.ndarray) -> np.ndarray:
+        wide = w.astype(np.float64)
+        np.multiply(wide, gain, out=wide)
+        return wide.astype(w.dtype)
+
+    return scale_in_float64
+
+
 def apply_fold(site: NormSite, edits: list[WeightEdit]) -> list[gs.Node]:
-    """Write W* = diag(g)·W into each consumer (a new initializer; the old one is left to
-    whoever else reads it), then give the site a gain of ones. Returns the nodes the caller
-    must add to the graph (a Transpose of an untied copy)."""
+    """Write W* = diag(g)·W into each consumer (a new initializer, computed when it is saved
+    or read; the old one is left to whoever else reads it), then give the site a gain of
+    ones. Returns the nodes the caller must add to the graph (a Transpose of an untied copy)."""
     new_nodes = []
     for edit in edits:
         shape = [1, 1]
         shape[edit.gain_axis] = site.gain.size
-        folded = (edit.values.astype(np.float64) * site.gain.reshape(shape)).astype(edit.values.dtype)
+        gain = np.asarray(site.gain, dtype=np.float64).reshape(shape)
+        folded = DerivedValues(edit.stored, row_scaler(gain, edit.dtype), shape=edit.shape, dtype=edit.dtype)
         constant = gs.Constant(f"{edit.weight.name}.folded_for.{site.name}", folded)
         if edit.transpose is None:
             edit.node.inputs[edit.index] = constant
         elif edit.shared_with:
-            transposed = gs.Variable(f"{constant.name}.transposed", dtype=folded.dtype)
+            transposed = gs.Variable(f"{constant.name}.transposed", dtype=edit.dtype)
             edit.node.inputs[edit.index] = transposed
             new_nodes.append(gs.Node("Transpose", name=f"{constant.name}.transpose", attrs={"perm": [1, 0]},
                                       inputs=[constant], outputs=[transposed]))
