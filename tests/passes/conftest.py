@@ -35,3 +35,28 @@ def max_error(rng):
         assert len(expected) == len(actual)
         return max(relative_error(a, e) for a, e in zip(actual, expected))
     return compare
+
+
+@pytest.fixture
+def external_reads(monkeypatch):
+    """[(tensor name, whether io.save was running)] for every external weight read."""
+    from flashnorm import io
+
+    reads: list[tuple[str, bool]] = []
+    saving = [False]
+    real_load, real_save = io.ExternalValues.load, io.save
+
+    def load(self):
+        reads.append((self.tensor.name, saving[0]))
+        return real_load(self)
+
+    def save(*args, **kwargs):
+        saving[0] = True
+        try:
+            return real_save(*args, **kwargs)
+        finally:
+            saving[0] = False
+
+    monkeypatch.setattr(io.ExternalValues, "load", load)
+    monkeypatch.setattr(io, "save", save)
+    return reads

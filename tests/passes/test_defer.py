@@ -280,7 +280,7 @@ def test_smollm2_deferred_matches_folded(smollm2_onnx, smollm2_folded_onnx, rng)
     assert np.linalg.norm(difference) / np.linalg.norm(folded_logits) < 1e-5
 
 
-def test_optimize_external_model_assembles_the_weight_while_saving(rng, tmp_path, monkeypatch):
+def test_optimize_external_model_assembles_the_weight_while_saving(rng, tmp_path, external_reads):
     """fold + defer on an external-data model: no weight is read before the save; the save
     reads each projection's weight once and writes their folded concatenation, bit for bit
     the float64 fold of each (a plain MatMul, a Transpose'd [N, K] weight, Gemm transB=1
@@ -305,25 +305,9 @@ def test_optimize_external_model_assembles_the_weight_while_saving(rng, tmp_path
     source, out = tmp_path / "in.onnx", tmp_path / "out.onnx"
     onnx.save(model, str(source), save_as_external_data=True, location="in.bin", size_threshold=1024)
 
-    reads, saving = [], [False]
-    real_load, real_save = io.ExternalValues.load, io.save
-
-    def load(self):
-        reads.append((self.tensor.name, saving[0]))
-        return real_load(self)
-
-    def save(*args, **kwargs):
-        saving[0] = True
-        try:
-            return real_save(*args, **kwargs)
-        finally:
-            saving[0] = False
-
-    monkeypatch.setattr(io.ExternalValues, "load", load)
-    monkeypatch.setattr(io, "save", save)
     report = optimize_file(source, out, "fold,defer")
     assert report["summary"] == {"fold.folded": 1, "defer.deferred": 1}, report["summary"]
-    assert sorted(reads) == sorted((name, True) for name in names.values()), reads
+    assert sorted(external_reads) == sorted((name, True) for name in names.values()), external_reads
 
     saved = onnx.load(str(out))
     (node,) = flashnorm_nodes(saved)

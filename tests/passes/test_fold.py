@@ -331,31 +331,6 @@ def _save_external(model: onnx.ModelProto, path) -> None:
     onnx.save(model, str(path), save_as_external_data=True, location="weights.bin", size_threshold=1024)
 
 
-@pytest.fixture
-def external_reads(monkeypatch):
-    """[(tensor name, whether io.save was running)] for every external weight read."""
-    from flashnorm import io
-
-    reads: list[tuple[str, bool]] = []
-    saving = [False]
-    real_load, real_save = io.ExternalValues.load, io.save
-
-    def load(self):
-        reads.append((self.tensor.name, saving[0]))
-        return real_load(self)
-
-    def save(*args, **kwargs):
-        saving[0] = True
-        try:
-            return real_save(*args, **kwargs)
-        finally:
-            saving[0] = False
-
-    monkeypatch.setattr(io.ExternalValues, "load", load)
-    monkeypatch.setattr(io, "save", save)
-    return reads
-
-
 def test_optimize_external_model_reads_folded_weights_once_while_saving(rng, tmp_path, external_reads):
     """`optimize_file` (fold + cancel) on an external-data model: planning, fold and cancel
     read no weight; the save reads each folded weight once and copies the others file to
