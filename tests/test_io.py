@@ -622,3 +622,35 @@ def _single_matmul_shaped(weight: np.ndarray) -> onnx.ModelProto:
         [numpy_helper.from_array(weight, "W")],
     )
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+def test_onnxruntime_optimized_model_loads(tmp_path, rng):
+    """ONNX Runtime's optimizer saves its fused RMSNorm as `SimplifiedLayerNormalization` in
+    the default domain, which the ONNX checker alone rejects ("No Op registered"): such a
+    file loads, keeps its node as it was, and runs unchanged after a save."""
+    hidden = 16
+    gain = (rng.standard_normal(hidden) + 1.0).astype(np.float32)
+    weight = rng.standard_normal((hidden, 8)).astype(np.float32)
+    nodes = [
+        helper.make_node("SimplifiedLayerNormalization", ["x", "gain"], ["normed"], axis=-1, epsilon=1e-5),
+        helper.make_node("MatMul", ["normed", "w"], ["y"]),
+    ]
+    graph = helper.make_graph(
+        nodes, "ort_optimized",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [3, hidden])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [3, 8])],
+        [numpy_helper.from_array(gain, "gain"), numpy_helper.from_array(weight, "w")],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    source, copy = tmp_path / "ort.onnx", tmp_path / "copy.onnx"
+    onnx.save(model, str(source))
+    with pytest.raises(onnx.checker.ValidationError):
+        onnx.checker.check_model(model)
+
+    graph = io.load(source)
+    assert [(n.op, n.domain or "") for n in graph.nodes][0] == ("SimplifiedLayerNormalization", "")
+    io.save(graph, copy)
+    x = rng.standard_normal((3, hidden)).astype(np.float32)
+    want = ort.InferenceSession(str(source), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+    got = ort.InferenceSession(str(copy), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+    np.testing.assert_array_equal(got, want)

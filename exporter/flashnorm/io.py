@@ -421,11 +421,30 @@ def _check(source: Path, model: onnx.ModelProto) -> None:
         if tensor.HasField("raw_data"):
             _check_raw_size(source, tensor, len(tensor.raw_data))
         _without_payload(tensor)
+    _as_contrib_ops(skeleton)
     try:
         onnx.checker.check_model(skeleton)
     except onnx.checker.ValidationError as exc:
         message = " ".join(str(exc).split())
         raise FlashNormError(f"{source} is not a valid ONNX model: {message[:300]}") from None
+
+
+# Ops ONNX Runtime registers in the default ONNX domain although ONNX defines no schema for
+# them: its graph optimizer saves models with these nodes (e.g. `optimized_model_filepath`).
+_ORT_DEFAULT_DOMAIN_OPS = frozenset({"SimplifiedLayerNormalization"})
+
+
+def _as_contrib_ops(skeleton: onnx.ModelProto) -> None:
+    """Let the checker accept ORT's default-domain contrib ops by checking them as the
+    `com.microsoft` ops they are (the checker skips schemas of that domain). Only the
+    checker's copy changes; the loaded model keeps its nodes as they were."""
+    renamed = False
+    for node in skeleton.graph.node:
+        if node.domain in ("", "ai.onnx") and node.op_type in _ORT_DEFAULT_DOMAIN_OPS:
+            node.domain = "com.microsoft"
+            renamed = True
+    if renamed and not any(o.domain == "com.microsoft" for o in skeleton.opset_import):
+        skeleton.opset_import.add(domain="com.microsoft", version=1)
 
 
 def _check_raw_size(source: Path, tensor: onnx.TensorProto, size: int) -> None:
