@@ -26,7 +26,6 @@ import json
 import math
 import os
 import platform
-import shutil
 import subprocess
 import sys
 import time

@@ -50,7 +50,6 @@ _MIB = 1 << 20
 
 # Model-level fields onnx-graphsurgeon's Graph does not carry; `load` keeps them on the graph
 # (`Graph.copy()` does not copy them: a copied graph saves without them).
-_MODEL_FIELDS = ("doc_string", "domain", "model_version", "metadata_props", "training_info")
 _MODEL_FIELDS_ATTRIBUTE = "_flashnorm_model_fields"
 
 # Bits per element of the sub-byte types, whose raw_data is packed.

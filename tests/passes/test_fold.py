@@ -50,7 +50,7 @@ def test_fold_scales_rows_in_float64_and_keeps_dtype(rng):
 
 def test_folded_graph_is_idempotent(rng, optimize):
     once, _ = optimize(build_norm_model("legacy_torch", rng), ["fold"])
-    twice, reports = optimize(once, ["fold"])
+    _, reports = optimize(once, ["fold"])
     assert reports["fold"].count("folded") == 0
     assert "weightless" in reports["fold"].decisions[0].reason
 

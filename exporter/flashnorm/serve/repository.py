@@ -135,11 +135,9 @@ def _readme(title: str, body: str) -> str:
     return f"# {title}\n\n{body.strip()}\n"
 
 
-def engine_start_command(repository: Path, plugin_in_repo: Path) -> str:
-    return shlex.join([
-        "tritonserver", f"--model-repository={repository}",
-        f"--backend-config=tensorrt,plugins={plugin_in_repo}",
-    ])
+def start_command(repository: Path, *options: str) -> str:
+    """The `tritonserver` command line that serves `repository`, with any extra `options`."""
+    return shlex.join(["tritonserver", f"--model-repository={repository}", *options])
 
 
 def write_engine_repository(
@@ -170,8 +168,8 @@ def write_engine_repository(
     config_text = validated_model_config(signature, options)
     target = Path(output).absolute()
     plugin_relative = Path(name) / "plugins" / plugin.name
-    command = engine_start_command(target, target / plugin_relative)
-    preload = shlex.join(["tritonserver", f"--model-repository={target}"])
+    command = start_command(target, f"--backend-config=tensorrt,plugins={target / plugin_relative}")
+    preload = start_command(target)
     readme = _readme(
         f"Triton model repository: {name} (TensorRT + FlashNorm plugin)",
         f"""
@@ -202,10 +200,6 @@ Triton treats every top-level folder of a repository as a model.
         (staging / "README.md").write_text(readme)
         files = sorted(str(p.relative_to(staging)) for p in staging.rglob("*") if p.is_file())
     return RepositoryResult(target, name, config_text, command, files)
-
-
-def python_start_command(repository: Path) -> str:
-    return shlex.join(["tritonserver", f"--model-repository={repository}"])
 
 
 def write_onnx_python_repository(
@@ -245,7 +239,7 @@ def write_onnx_python_repository(
     )
     config_text = validated_model_config(signature, options)
     target = Path(output).absolute()
-    command = python_start_command(target)
+    command = start_command(target)
     readme = _readme(
         f"Triton model repository: {name} (Python backend, ONNX Runtime)",
         f"""

@@ -1,5 +1,7 @@
-"""Inputs for a language-model graph: token ids (random, given, or tokenized text) plus the
-attention mask, position ids and — for a KV-cache graph — past keys and values they imply."""
+"""Inputs for a comparison. A language-model graph (one with `input_ids`) gets token ids
+(random, given, or tokenized text) plus the attention mask, position ids and — for a KV-cache
+graph — past keys and values they imply. Any other graph gets seeded random tensors for every
+input, drawn from its declared dtype and shape (`random_feeds`)."""
 
 from __future__ import annotations
 
@@ -13,14 +15,22 @@ import onnx
 
 from flashnorm.errors import FlashNormError
 
-_NUMPY_OF_ONNX = {
-    onnx.TensorProto.FLOAT: np.float32,
-    onnx.TensorProto.FLOAT16: np.float16,
-    onnx.TensorProto.DOUBLE: np.float64,
-    onnx.TensorProto.INT64: np.int64,
-    onnx.TensorProto.INT32: np.int32,
-    onnx.TensorProto.BOOL: np.bool_,
-}
+DEFAULT_LEADING_DIM = 1
+"""Size of an unresolved dynamic first axis of an input of rank ≥ 2 (batch-like)."""
+DEFAULT_DYNAMIC_DIM = 16
+"""Size of every other unresolved dynamic axis."""
+DEFAULT_INT_RANGE = (0, 16)
+"""Random integer inputs lie in [low, high)."""
+
+
+def _numpy_dtype(elem_type: int) -> Any:
+    """The NumPy dtype of an ONNX element type (bfloat16 through ml_dtypes), None if it has none."""
+    if elem_type == onnx.TensorProto.UNDEFINED:
+        return None
+    try:
+        return onnx.helper.tensor_dtype_to_np_dtype(elem_type)
+    except (KeyError, ValueError):
+        return None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -29,6 +39,8 @@ class TensorSpec:
     dtype: Any
     shape: tuple[int | str | None, ...]
     """Fixed sizes as ints, named dynamic axes as strings, unnamed ones as None."""
+    has_shape: bool = True
+    """False when the graph declares no shape at all (not even the rank)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,7 +76,7 @@ def _spec(value: onnx.ValueInfoProto) -> TensorSpec:
     dims = tuple(
         d.dim_value if d.HasField("dim_value") else (d.dim_param or None) for d in tensor.shape.dim
     )
-    return TensorSpec(value.name, _NUMPY_OF_ONNX.get(tensor.elem_type), dims)
+    return TensorSpec(value.name, _numpy_dtype(tensor.elem_type), dims, tensor.HasField("shape"))
 
 
 def read_signature(model_path: str | os.PathLike[str]) -> ModelSignature:
@@ -197,3 +209,213 @@ def describe_ids(ids: np.ndarray, limit: int = 16) -> str:
 
 def as_int_sequence(ids: Sequence[int] | np.ndarray) -> list[int]:
     return [int(i) for i in np.asarray(ids).reshape(-1)]
+
+
+# ── any other graph: seeded random tensors from the declared dtypes and shapes ─────────────
+
+def format_shape(shape: Sequence[int | str | None]) -> str:
+    """A declared shape for messages: [batch, ?, 576] (? is an unnamed dynamic axis)."""
+    return "[" + ", ".join("?" if d is None else str(d) for d in shape) + "]"
+
+
+def dtype_name(dtype: Any) -> str:
+    return np.dtype(dtype).name if dtype is not None else "undefined"
+
+
+def parse_input_shapes(specs: Sequence[str]) -> dict[str, tuple[int, ...]]:
+    """['x:2x16x32', 'scalar:'] → {'x': (2, 16, 32), 'scalar': ()} (trtexec's 'x' spelling)."""
+    shapes: dict[str, tuple[int, ...]] = {}
+    for spec in specs:
+        name, sep, text = spec.rpartition(":")
+        if not sep or not name:
+            raise FlashNormError(f"bad --input-shapes {spec!r}: expected NAME:D1xD2x... (e.g. x:1x16x576)")
+        try:
+            shape = tuple(int(d) for d in text.lower().split("x")) if text.strip() else ()
+        except ValueError:
+            raise FlashNormError(
+                f"bad --input-shapes {spec!r}: write dimensions as integers joined by 'x', e.g. 1x16x576"
+            ) from None
+        if any(d < 0 for d in shape):
+            raise FlashNormError(f"bad --input-shapes {spec!r}: dimensions must not be negative")
+        if name in shapes:
+            raise FlashNormError(f"--input-shapes gives input {name!r} twice")
+        shapes[name] = shape
+    return shapes
+
+
+def parse_value_ranges(specs: Sequence[str]) -> dict[str | None, tuple[float, float]]:
+    """['ids:0,100', '[-1,1]'] → {'ids': (0, 100), None: (-1, 1)}: None is the range for every
+    input not named. Brackets, as Polygraphy writes them, are optional."""
+    ranges: dict[str | None, tuple[float, float]] = {}
+    for spec in specs:
+        name, _, text = spec.rpartition(":")
+        parts = text.strip().strip("[]()").split(",")
+        try:
+            low, high = (float(p) for p in parts)
+        except ValueError:
+            raise FlashNormError(f"bad --val-range {spec!r}: expected NAME:LO,HI (e.g. input_ids:0,100)") from None
+        if not (np.isfinite(low) and np.isfinite(high) and low < high):
+            raise FlashNormError(f"bad --val-range {spec!r}: need finite LO < HI")
+        key = name or None
+        if key in ranges:
+            raise FlashNormError(f"--val-range gives {'input ' + repr(name) if name else 'the default range'} twice")
+        ranges[key] = (low, high)
+    return ranges
+
+
+def resolve_input_shapes(
+    inputs: Sequence[TensorSpec], given: Mapping[str, tuple[int, ...]] | None = None
+) -> dict[str, tuple[int, ...]]:
+    """A concrete shape for every input. A shape in `given` (--input-shapes) must agree with
+    the declared rank and fixed sizes, and fixes its named dynamic axes for every other input
+    that shares the name (x and skip both [batch, seq, 576]). An axis still unresolved takes
+    DEFAULT_LEADING_DIM as the first axis of an input of rank ≥ 2, else DEFAULT_DYNAMIC_DIM.
+    An input that declares no shape at all is refused: Polygraphy's runners take its missing
+    shape for a scalar and refuse any other."""
+    given = dict(given or {})
+    names = [spec.name for spec in inputs]
+    unknown = [name for name in given if name not in names]
+    if unknown:
+        raise FlashNormError(f"--input-shapes names {unknown}, not inputs of the model; inputs: {names}")
+    shapeless = [spec.name for spec in inputs if not spec.has_shape]
+    if shapeless:
+        raise FlashNormError(
+            f"input(s) {shapeless} declare no shape, not even a rank, so they cannot be fed; "
+            "declare one in the model (e.g. with ONNX shape inference)"
+        )
+    bound: dict[str, tuple[int, str]] = {}  # axis name → (size, the input whose given shape fixed it)
+    for spec in inputs:
+        shape = given.get(spec.name)
+        if shape is None:
+            continue
+        if len(shape) != len(spec.shape):
+            raise FlashNormError(
+                f"--input-shapes {spec.name}: {list(shape)} has rank {len(shape)}, "
+                f"but {spec.name} is declared {format_shape(spec.shape)}"
+            )
+        for declared, size in zip(spec.shape, shape):
+            if isinstance(declared, int) and declared != size:
+                raise FlashNormError(
+                    f"--input-shapes {spec.name}: {list(shape)} does not fit the declared {format_shape(spec.shape)}"
+                )
+            if isinstance(declared, str):
+                if declared in bound and bound[declared][0] != size:
+                    size_before, other = bound[declared]
+                    raise FlashNormError(
+                        f"--input-shapes: axis {declared!r} is {size_before} in {other} but {size} in {spec.name}"
+                    )
+                bound[declared] = (size, spec.name)
+    sizes = {axis: size for axis, (size, _) in bound.items()}
+    shapes: dict[str, tuple[int, ...]] = {}
+    for spec in inputs:
+        if spec.name in given:
+            shapes[spec.name] = given[spec.name]
+            continue
+        dims = []
+        for axis, declared in enumerate(spec.shape):
+            if isinstance(declared, int):
+                dims.append(declared)
+                continue
+            if declared not in sizes:
+                size = DEFAULT_LEADING_DIM if axis == 0 and len(spec.shape) >= 2 else DEFAULT_DYNAMIC_DIM
+                if declared is None:
+                    dims.append(size)
+                    continue
+                sizes[declared] = size
+            dims.append(sizes[declared])
+        shapes[spec.name] = tuple(dims)
+    return shapes
+
+
+def _kind(spec: TensorSpec) -> str:
+    """'float', 'int' or 'bool'; anything else (strings, complex, undefined) cannot be drawn."""
+    if spec.dtype is not None:
+        dtype = np.dtype(spec.dtype)
+        if dtype == np.bool_:
+            return "bool"
+        if np.issubdtype(dtype, np.integer):
+            return "int"
+        if dtype.kind == "f" or dtype.name == "bfloat16":
+            return "float"
+    raise FlashNormError(
+        f"input {spec.name} has element type {dtype_name(spec.dtype)}; random inputs cover float, integer and bool"
+    )
+
+
+def _range_for(
+    spec: TensorSpec, kind: str, ranges: Mapping[str | None, tuple[float, float]]
+) -> tuple[float, float] | None:
+    """The --val-range that applies to `spec`, checked against its dtype; None: the default."""
+    chosen = ranges.get(spec.name)
+    if chosen is None:
+        chosen = ranges.get(None)
+        if chosen is None or kind == "bool":  # a blanket range skips bool inputs
+            return None
+    if kind == "bool":
+        raise FlashNormError(f"--val-range {spec.name}: a bool input takes no range (it is drawn True/False)")
+    low, high = chosen
+    if kind == "int":
+        info = np.iinfo(np.dtype(spec.dtype))
+        if not (float(low).is_integer() and float(high).is_integer()):
+            raise FlashNormError(f"--val-range for integer input {spec.name} must be integers, got [{low:g}, {high:g})")
+        if low < info.min or high - 1 > info.max:
+            raise FlashNormError(
+                f"--val-range [{low:g}, {high:g}) does not fit input {spec.name} ({np.dtype(spec.dtype).name})"
+            )
+    return low, high
+
+
+def random_feeds(
+    inputs: Sequence[TensorSpec],
+    shapes: Mapping[str, tuple[int, ...]],
+    rng: np.random.Generator,
+    value_ranges: Mapping[str | None, tuple[float, float]] | None = None,
+) -> dict[str, np.ndarray]:
+    """One random feed dict: floats standard normal (computed in float64, then cast, so fp16 and
+    bf16 inputs get the nearest representable values), or uniform in a --val-range; integers
+    uniform in [low, high) (default DEFAULT_INT_RANGE); bools True/False with equal odds."""
+    ranges = dict(value_ranges or {})
+    names = [spec.name for spec in inputs]
+    unknown = [name for name in ranges if name is not None and name not in names]
+    if unknown:
+        raise FlashNormError(f"--val-range names {unknown}, not inputs of the model; inputs: {names}")
+    feeds: dict[str, np.ndarray] = {}
+    for spec in inputs:
+        kind = _kind(spec)
+        chosen = _range_for(spec, kind, ranges)
+        shape = shapes[spec.name]
+        if kind == "bool":
+            value = rng.integers(0, 2, size=shape).astype(np.bool_)
+        elif kind == "int":
+            low, high = chosen or DEFAULT_INT_RANGE
+            value = rng.integers(int(low), int(high), size=shape, dtype=np.dtype(spec.dtype))
+        elif chosen is not None:
+            value = rng.uniform(chosen[0], chosen[1], size=shape).astype(spec.dtype)
+        else:
+            value = rng.standard_normal(size=shape).astype(spec.dtype)
+        feeds[spec.name] = value
+    return feeds
+
+
+def describe_random_feeds(
+    inputs: Sequence[TensorSpec],
+    shapes: Mapping[str, tuple[int, ...]],
+    value_ranges: Mapping[str | None, tuple[float, float]] | None = None,
+) -> dict[str, str]:
+    """Per input, what `random_feeds` draws: 'float16 [1, 16, 32] normal(0, 1)'."""
+    ranges = dict(value_ranges or {})
+    described = {}
+    for spec in inputs:
+        kind = _kind(spec)
+        chosen = _range_for(spec, kind, ranges)
+        if kind == "bool":
+            values = "True/False"
+        elif kind == "int":
+            low, high = chosen or DEFAULT_INT_RANGE
+            values = f"integers in [{int(low)}, {int(high)})"
+        elif chosen is not None:
+            values = f"uniform in [{chosen[0]:g}, {chosen[1]:g})"
+        else:
+            values = "normal(0, 1)"
+        described[spec.name] = f"{np.dtype(spec.dtype).name} {list(shapes[spec.name])} {values}"
+    return described

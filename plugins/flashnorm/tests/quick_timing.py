@@ -63,10 +63,9 @@ def fused_table(rows) -> None:
         print(f"cluster={setting:>4} {f'{k}×{n}':>12} fused µs at M={rows}: {' '.join(cells)}", flush=True)
 
 
-def table(dtype: torch.dtype, shapes, rows) -> None:
-    eps = 1e-5
-    size = torch.finfo(dtype).bits // 8
-    print(f"{str(dtype):>15} {'M×K×N':>18} {'floor':>6} {'cuBLAS':>7} {'rms+GEMM':>8} {'fused':>7} {'2stream':>7} {'auto':>7} {'auto/GEMM':>9} {'rms+GEMM/auto':>13}")
+def timed_baselines(dtype: torch.dtype, shapes, rows, eps: float):
+    """Per (K, splits) × M: fresh x, W*, the split outputs, and the two baselines' µs (cuBLAS
+    alone, F.rms_norm + cuBLAS), yielded as (m, k, splits, x, w, outs, gemm_us, baseline_us)."""
     for k, splits in shapes:
         n = sum(splits)
         w = (torch.randn(k, n, device="cuda") / k**0.5).to(dtype)
@@ -75,15 +74,24 @@ def table(dtype: torch.dtype, shapes, rows) -> None:
             outs = [torch.empty(m, width, device="cuda", dtype=dtype) for width in splits]
             gemm = time_us(lambda: torch.matmul(x, w))
             baseline = time_us(lambda: torch.matmul(F.rms_norm(x, (k,), eps=eps), w))
-            fused = time_us(lambda: kernels.flashnorm_matmul(x, w, eps, splits, "fused", outs))
-            two = time_us(lambda: kernels.flashnorm_matmul(x, w, eps, splits, "two_stream", outs))
-            auto = time_us(lambda: kernels.flashnorm_matmul(x, w, eps, splits, "auto", outs))
-            floor = (k * n + m * k + m * n) * size / 4.3e12 * 1e6
-            print(
-                f"{'':>15} {f'{m}×{k}×{n}':>18} {floor:6.1f} {gemm:7.1f} {baseline:8.1f} {fused:7.1f} {two:7.1f} {auto:7.1f}"
-                f" {auto / gemm:9.2f} {baseline / auto:13.2f}",
-                flush=True,
-            )
+            yield m, k, splits, x, w, outs, gemm, baseline
+
+
+def table(dtype: torch.dtype, shapes, rows) -> None:
+    eps = 1e-5
+    size = torch.finfo(dtype).bits // 8
+    print(f"{str(dtype):>15} {'M×K×N':>18} {'floor':>6} {'cuBLAS':>7} {'rms+GEMM':>8} {'fused':>7} {'2stream':>7} {'auto':>7} {'auto/GEMM':>9} {'rms+GEMM/auto':>13}")
+    for m, k, splits, x, w, outs, gemm, baseline in timed_baselines(dtype, shapes, rows, eps):
+        n = sum(splits)
+        fused = time_us(lambda: kernels.flashnorm_matmul(x, w, eps, splits, "fused", outs))
+        two = time_us(lambda: kernels.flashnorm_matmul(x, w, eps, splits, "two_stream", outs))
+        auto = time_us(lambda: kernels.flashnorm_matmul(x, w, eps, splits, "auto", outs))
+        floor = (k * n + m * k + m * n) * size / 4.3e12 * 1e6
+        print(
+            f"{'':>15} {f'{m}×{k}×{n}':>18} {floor:6.1f} {gemm:7.1f} {baseline:8.1f} {fused:7.1f} {two:7.1f} {auto:7.1f}"
+            f" {auto / gemm:9.2f} {baseline / auto:13.2f}",
+            flush=True,
+        )
 
 
 def prefill_table(dtype: torch.dtype, shapes, rows) -> None:
@@ -93,23 +101,17 @@ def prefill_table(dtype: torch.dtype, shapes, rows) -> None:
         f"{str(dtype):>15} {'M×K×N':>18} {'cuBLAS':>8} {'rms+GEMM':>8} {'2stream':>8} {'prenorm':>8} {'auto':>8}"
         f" {'prenorm/(rms+GEMM)':>18} {'2stream/(rms+GEMM)':>18} {'auto/(rms+GEMM)':>15}  picks"
     )
-    for k, splits in shapes:
+    for m, k, splits, x, w, outs, gemm, baseline in timed_baselines(dtype, shapes, rows, eps):
         n = sum(splits)
-        w = (torch.randn(k, n, device="cuda") / k**0.5).to(dtype)
-        for m in rows:
-            x = torch.randn(m, k, device="cuda").to(dtype)
-            outs = [torch.empty(m, width, device="cuda", dtype=dtype) for width in splits]
-            gemm = time_us(lambda: torch.matmul(x, w))
-            baseline = time_us(lambda: torch.matmul(F.rms_norm(x, (k,), eps=eps), w))
-            two = time_us(lambda: kernels.flashnorm_matmul(x, w, eps, splits, "two_stream", outs))
-            prenorm = time_us(lambda: kernels.flashnorm_matmul(x, w, eps, splits, "prenorm", outs))
-            auto = time_us(lambda: kernels.flashnorm_matmul(x, w, eps, splits, "auto", outs))
-            print(
-                f"{'':>15} {f'{m}×{k}×{n}':>18} {gemm:8.1f} {baseline:8.1f} {two:8.1f} {prenorm:8.1f} {auto:8.1f}"
-                f" {prenorm / baseline:18.2f} {two / baseline:18.2f} {auto / baseline:15.2f}"
-                f"  {kernels.resolve_strategy(m, k, n, dtype, splits)}",
-                flush=True,
-            )
+        two = time_us(lambda: kernels.flashnorm_matmul(x, w, eps, splits, "two_stream", outs))
+        prenorm = time_us(lambda: kernels.flashnorm_matmul(x, w, eps, splits, "prenorm", outs))
+        auto = time_us(lambda: kernels.flashnorm_matmul(x, w, eps, splits, "auto", outs))
+        print(
+            f"{'':>15} {f'{m}×{k}×{n}':>18} {gemm:8.1f} {baseline:8.1f} {two:8.1f} {prenorm:8.1f} {auto:8.1f}"
+            f" {prenorm / baseline:18.2f} {two / baseline:18.2f} {auto / baseline:15.2f}"
+            f"  {kernels.resolve_strategy(m, k, n, dtype, splits)}",
+            flush=True,
+        )
 
 
 def main() -> None:

@@ -438,7 +438,6 @@ struct Instance
     void* dW{nullptr};
     std::vector<void*> dY;
     void* dWorkspace{nullptr};
-    size_t workspaceBytes{0};
 
     explicit Instance(Problem problem)
         : p(std::move(problem))
@@ -465,7 +464,6 @@ struct Instance
             ok = ok && CUDA_OK(cudaMalloc(&y, p.m * s * es));
             dY.push_back(y);
         }
-        workspaceBytes = workspace;
         ok = ok && CUDA_OK(cudaMalloc(&dWorkspace, workspace > 0 ? workspace : 1));
         return ok;
     }
