@@ -75,8 +75,14 @@ def reference(smollm2_onnx):
 
 
 def _grpc_client(url: str) -> grpcclient.InferenceServerClient:
-    # gRPC would route even loopback through an http_proxy from the environment.
-    return grpcclient.InferenceServerClient(url, channel_args=[("grpc.enable_http_proxy", 0)])
+    # gRPC would route even loopback through an http_proxy from the environment. Channel
+    # arguments replace tritonclient's defaults, so the message limits are restated: logits of
+    # 2 × 12 tokens × 49152 exceed gRPC's own 4 MiB default.
+    return grpcclient.InferenceServerClient(url, channel_args=[
+        ("grpc.enable_http_proxy", 0),
+        ("grpc.max_send_message_length", grpcclient.MAX_GRPC_MESSAGE_SIZE),
+        ("grpc.max_receive_message_length", grpcclient.MAX_GRPC_MESSAGE_SIZE),
+    ])
 
 
 def _feeds(rng, batch: int, length: int) -> dict[str, np.ndarray]:
@@ -105,7 +111,8 @@ def _relative_error(actual: np.ndarray, expected: np.ndarray) -> float:
 @pytest.mark.parametrize("model", [MODEL, DEFERRED])
 def test_logits_over_http_and_grpc_match_onnxruntime(model, request, reference, rng):
     server = request.getfixturevalue("smollm2_served" if model == MODEL else "deferred_served")
-    feeds = _feeds(rng, batch=2, length=int(rng.integers(3, 13)))
+    # ≥ 11 tokens: the [2, length, 49152] fp32 logits exceed 4 MiB, gRPC's default message limit.
+    feeds = _feeds(rng, batch=2, length=int(rng.integers(11, 17)))
     expected = reference(feeds)
     assert expected.shape == (2, feeds["input_ids"].shape[1], VOCAB) and np.isfinite(expected).all()
     assert expected.std() > 0.1  # a real model's logits, not a constant
