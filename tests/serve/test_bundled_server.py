@@ -34,7 +34,8 @@ MAX_BATCH = 4
 
 
 def _serve(venv, onnx_path, root, name):
-    """`flashnorm triton --backend python` on one model, then a server on that repository."""
+    """`flashnorm triton --backend python` on one model, then a server on that repository,
+    yielded started and always stopped afterwards (the body of a fixture)."""
     # A queue delay long enough that concurrent requests meet in the dynamic batcher.
     code = cli.main([
         "triton", "--onnx", str(onnx_path), "--backend", "python", "-o", str(root / name), "--name", name,
@@ -42,29 +43,24 @@ def _serve(venv, onnx_path, root, name):
         "--threads", "2", "-q",
     ])
     assert code == 0
-    return BundledTritonServer(venv, root / name, ready_timeout=300)
+    server = BundledTritonServer(venv, root / name, ready_timeout=300)
+    try:
+        yield server.start()
+    finally:
+        server.stop()
+        server.cleanup()
 
 
 @pytest.fixture(scope="module")
 def smollm2_served(pytriton_venv, smollm2_folded_onnx, tmp_path_factory):
     """SmolLM2 after `flashnorm optimize` (gains folded), served; always stopped afterwards."""
-    server = _serve(pytriton_venv, smollm2_folded_onnx, tmp_path_factory.mktemp("triton"), MODEL)
-    try:
-        yield server.start()
-    finally:
-        server.stop()
-        server.cleanup()
+    yield from _serve(pytriton_venv, smollm2_folded_onnx, tmp_path_factory.mktemp("triton"), MODEL)
 
 
 @pytest.fixture
 def deferred_served(pytriton_venv, smollm2_deferred_onnx, tmp_path_factory):
     """SmolLM2 folded and deferred into FlashNormMatMul nodes, served; always stopped afterwards."""
-    server = _serve(pytriton_venv, smollm2_deferred_onnx, tmp_path_factory.mktemp("triton"), DEFERRED)
-    try:
-        yield server.start()
-    finally:
-        server.stop()
-        server.cleanup()
+    yield from _serve(pytriton_venv, smollm2_deferred_onnx, tmp_path_factory.mktemp("triton"), DEFERRED)
 
 
 @pytest.fixture(scope="module")

@@ -83,11 +83,25 @@ def stored_dtype_name(tensor: gs.Tensor) -> str:
     """The dtype name of a tensor's storage ('float32', 'float8e4m3fn', 'int4'...), without
     reading its values; '' when unknown."""
     dtype = getattr(tensor, "dtype", None)
-    if isinstance(dtype, np.dtype):
-        return dtype.name
-    if isinstance(dtype, (int, np.integer)):
+    if dtype is None:
+        return ""
+    if isinstance(dtype, (int, np.integer)):  # an unloaded constant of a type NumPy lacks (bfloat16, fp8)
         return onnx.TensorProto.DataType.Name(int(dtype)).lower()
-    return ""
+    try:
+        return np.dtype(dtype).name
+    except TypeError:
+        return ""
+
+
+def numpy_dtype(dtype: object) -> Optional[np.dtype]:
+    """A tensor's dtype as NumPy's (an unloaded bfloat16 constant reports its ONNX type
+    number); None where NumPy has no such type."""
+    try:
+        if isinstance(dtype, (int, np.integer)):
+            return np.dtype(onnx.helper.tensor_dtype_to_np_dtype(int(dtype)))
+        return np.dtype(dtype)
+    except (KeyError, TypeError, ValueError):
+        return None
 
 
 def is_constant_expression(tensor: Optional[gs.Tensor], depth: int = 0) -> bool:

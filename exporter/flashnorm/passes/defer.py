@@ -34,7 +34,7 @@ from onnx_graphsurgeon.ir.tensor import LazyValues
 
 from flashnorm.io import DerivedValues
 from flashnorm.match import NormSite, find_norm_sites
-from flashnorm.match.constants import constant_value, producer
+from flashnorm.match.constants import constant_value, numpy_dtype, producer, stored_dtype_name
 from flashnorm.progress import track
 from flashnorm.report import PassReport
 
@@ -114,19 +114,10 @@ def _constant_matrix(tensor: gs.Tensor, where: str) -> tuple[gs.Constant, bool]:
     rank = len(constant.shape)
     if rank != 2:
         raise NotDeferrable(f"{where}: weight {tensor.name!r} has rank {rank}, not 2")
-    dtype = _stored_dtype_name(constant)
+    dtype = stored_dtype_name(constant)
     if dtype not in _FLOAT_NAMES:
         raise NotDeferrable(f"{where}: weight {tensor.name!r} has dtype {dtype} (quantized or integer)")
     return constant, transposed
-
-
-def _stored_dtype_name(constant: gs.Constant) -> Optional[str]:
-    """A constant's dtype name without reading it (an unloaded bfloat16 constant reports its
-    ONNX type number)."""
-    dtype = constant.dtype
-    if isinstance(dtype, (int, np.integer)):
-        return onnx.TensorProto.DataType.Name(int(dtype)).lower()
-    return _dtype_name(dtype)
 
 
 def _projection(site: NormSite, node: gs.Node, dtype: str, hidden: Optional[int]) -> Projection:
@@ -153,8 +144,8 @@ def _projection(site: NormSite, node: gs.Node, dtype: str, hidden: Optional[int]
             bias = c if beta == 1.0 else (c.astype(np.float64) * beta).astype(c.dtype)
     else:
         raise NotDeferrable(f"{where} is not a projection (MatMul or Gemm with a constant weight)")
-    if _stored_dtype_name(weight) != dtype:
-        raise NotDeferrable(f"{where}: weight dtype {_stored_dtype_name(weight)} differs from the activation's {dtype}")
+    if stored_dtype_name(weight) != dtype:
+        raise NotDeferrable(f"{where}: weight dtype {stored_dtype_name(weight)} differs from the activation's {dtype}")
     projection = Projection(node, weight, transposed, alpha, node.outputs[0], bias)
     if hidden is not None and projection.shape[0] != hidden:
         raise NotDeferrable(f"{where}: weight has {projection.shape[0]} rows, the norm has {hidden} channels")
@@ -273,7 +264,7 @@ def _concatenated(projections: list[Projection]) -> DerivedValues:
     sources = [p.weight._values for p in projections]
     widths = [p.shape[1] for p in projections]
     rows, columns = first.shape[0], sum(widths)
-    dtype = _numpy_dtype(first.weight)  # planning checked that every weight has the activation's dtype
+    dtype = numpy_dtype(first.weight.dtype)  # planning checked that every weight has the activation's dtype
 
     def assemble(first_values: np.ndarray) -> np.ndarray:
         result = np.empty((rows, columns), dtype=dtype)
@@ -290,13 +281,6 @@ def _concatenated(projections: list[Projection]) -> DerivedValues:
 def _read(values: object) -> np.ndarray:
     """A constant's values, read from disk if they are lazy (without caching them on the constant)."""
     return values.load() if isinstance(values, LazyValues) else np.asarray(values)
-
-
-def _numpy_dtype(constant: gs.Constant) -> np.dtype:
-    dtype = constant.dtype
-    if isinstance(dtype, (int, np.integer)):
-        return np.dtype(helper.tensor_dtype_to_np_dtype(int(dtype)))
-    return np.dtype(dtype)
 
 
 def defer(graph: gs.Graph) -> tuple[gs.Graph, PassReport]:

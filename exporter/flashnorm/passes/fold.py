@@ -19,12 +19,11 @@ import dataclasses
 from typing import Callable, Optional
 
 import numpy as np
-import onnx
 import onnx_graphsurgeon as gs
 
 from flashnorm.io import DerivedValues
 from flashnorm.match import NormSite, find_norm_sites
-from flashnorm.match.constants import SHAPE_ONLY_OPS, producer, stored_dtype_name
+from flashnorm.match.constants import SHAPE_ONLY_OPS, numpy_dtype, producer, stored_dtype_name
 from flashnorm.match.gain import gain_slot_shape
 from flashnorm.progress import track
 from flashnorm.report import PassReport
@@ -115,7 +114,7 @@ def _weight_edit(site: NormSite, node: gs.Node) -> WeightEdit:
     constant = _weight_constant(weight)
     if constant is None:
         raise NotFoldable(f"{where}: weight {weight.name!r} is not a constant")
-    dtype = _numpy_dtype(constant.dtype)
+    dtype = numpy_dtype(constant.dtype)
     if dtype is None or dtype.name not in _FOLDABLE_DTYPES:
         raise NotFoldable(f"{where}: weight {weight.name!r} has dtype {stored_dtype_name(constant)} "
                           "(quantized or integer)")
@@ -152,16 +151,6 @@ def _weight_constant(weight: gs.Tensor) -> Optional[gs.Constant]:
     if node is not None and node.op == "Constant" and isinstance(node.attrs.get("value"), gs.Constant):
         return node.attrs["value"]
     return None
-
-
-def _numpy_dtype(dtype: object) -> Optional[np.dtype]:
-    """A constant's dtype as NumPy's (an unloaded bfloat16 constant reports its ONNX type)."""
-    try:
-        if isinstance(dtype, (int, np.integer)):
-            return np.dtype(onnx.helper.tensor_dtype_to_np_dtype(int(dtype)))
-        return np.dtype(dtype)
-    except (KeyError, TypeError, ValueError):
-        return None
 
 
 def row_scaler(gain: np.ndarray, dtype: np.dtype) -> Callable[[np.ndarray], np.ndarray]:
