@@ -10,6 +10,7 @@ malformed requests get errors and the server keeps serving; the server stops cle
 from __future__ import annotations
 
 import os
+import time
 
 import numpy as np
 import pytest
@@ -135,14 +136,26 @@ def test_concurrent_requests_are_batched_and_split_back(smollm2_served, referenc
         before = http.get_inference_statistics(MODEL)["model_stats"][0]
         pending = [http.async_infer(MODEL, _inputs(httpclient, feeds)) for feeds in (first, second)]
         results = [request.get_result().as_numpy("logits") for request in pending]
-        after = http.get_inference_statistics(MODEL)["model_stats"][0]
+        after = _statistics_after(http, "inference_count", int(before["inference_count"]) + 4)
     finally:
         http.close()
     for feeds, served in zip((first, second), results):
         assert _relative_error(served, reference(feeds)) < 1e-4
     # Two requests of batch 2 fill max_batch_size 4: Triton hands them to one execute() call.
-    assert after["inference_count"] - before["inference_count"] == 4
-    assert after["execution_count"] - before["execution_count"] == 1
+    assert int(after["inference_count"]) - int(before["inference_count"]) == 4
+    assert int(after["execution_count"]) - int(before["execution_count"]) == 1
+
+
+def _statistics_after(http, counter: str, at_least: int, timeout: float = 10.0) -> dict:
+    """The model's statistics once `counter` reaches `at_least`: Triton records a batch's
+    statistics after its responses are sent, so a read right after the responses may not
+    include it yet. Bounded; returns the last read either way (the caller's assertion decides)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        stats = http.get_inference_statistics(MODEL)["model_stats"][0]
+        if int(stats[counter]) >= at_least or time.monotonic() > deadline:
+            return stats
+        time.sleep(0.05)
 
 
 def test_a_bad_request_batched_with_a_good_one_fails_alone(smollm2_served, reference, rng):
@@ -156,10 +169,10 @@ def test_a_bad_request_batched_with_a_good_one_fails_alone(smollm2_served, refer
         served = pending[0].get_result().as_numpy("logits")
         with pytest.raises(InferenceServerException, match="ONNX Runtime"):
             pending[1].get_result()
-        after = http.get_inference_statistics(MODEL)["model_stats"][0]
+        after = _statistics_after(http, "execution_count", int(before["execution_count"]) + 1)
     finally:
         http.close()
-    assert after["execution_count"] - before["execution_count"] == 1  # they did meet in one batch
+    assert int(after["execution_count"]) - int(before["execution_count"]) == 1  # they did meet in one batch
     assert _relative_error(served, reference(good)) < 1e-4
 
 
