@@ -9,14 +9,17 @@
 namespace
 {
 
-// AUTO, measured on an NVIDIA H200 (bf16/fp16, CUDA-graph replay; plugins/flashnorm/kernels/NOTES.md
-// and docs/BENCHMARKS.md): the fused kernel only where it beat two-stream, i.e. few rows (M <= 16)
-// and a small W* (K·N <= 2^20 elements, e.g. 576×960: fused 4.4-4.5 µs, two-stream 4.9-5.0).
-// Everywhere else two-stream was faster (4096×6144, M=1: 16.3 vs 20.2 µs; 4096×28672: 58.5 vs
-// 73.0) and is picked. The CUDA-core fallback (fp32, N % 8 != 0, odd K) is never picked
-// (fp32 1×2048×3072: 46.7 µs fused, 8.0 µs two-stream).
+// AUTO, measured on an NVIDIA H200 (bf16, W* from HBM, CUDA-graph replay; plugins/flashnorm/kernels/NOTES.md
+// and docs/BENCHMARKS.md): the fused kernel where it beat two-stream. With one B operand of 8 tokens
+// (M <= 8) it did on every W* up to 4096×6144 (2048×16384, M=4: 20.8 vs 22.0 µs; 4096×6144: 16.9
+// vs 18.7) and tied or lost on 4096×28672 (61.5 vs 60.7), so up to K·N = 2^26 elements. With two
+// (9..16 rows) it won only on a small W* (576×960, M=16: 5.4 vs 5.6; 576×3072: 6.5 vs 6.2). The
+// CUDA-core fallback (fp32, N % 8 != 0, odd K) is never picked (fp32 1×2048×3072: 46.7 µs fused,
+// 8.0 µs two-stream).
 constexpr int64_t kFusedMaxRows = 16;
-constexpr int64_t kFusedMaxWeightElements = int64_t(1) << 20;
+constexpr int64_t kFusedMaxRowsOneGroup = 8;
+constexpr int64_t kFusedMaxWeightElements = int64_t(1) << 26;
+constexpr int64_t kFusedMaxWeightElementsTwoGroups = int64_t(1) << 20;
 // Prenorm (kernels/NOTES.md, "prenorm"): two-stream's post-scale reads and writes the N-wide output
 // once more, prenorm's extra pass is over the K-wide input; but prenorm runs one GEMM per split, and
 // a narrow split (k/v: 192-1024 columns) is a GEMM too small to fill the GPU. Measured (bf16,
@@ -88,8 +91,10 @@ flashnorm_strategy resolve(flashnorm_problem const& problem)
         return FLASHNORM_STRATEGY_PRENORM;
     bool const tensor_cores
         = problem.dtype != FLASHNORM_DTYPE_F32 && flashnorm::fused_tensor_core_shape(problem.k, problem.n);
-    bool const small = problem.m <= kFusedMaxRows && problem.k * problem.n <= kFusedMaxWeightElements;
-    return tensor_cores && small ? FLASHNORM_STRATEGY_FUSED : FLASHNORM_STRATEGY_TWO_STREAM;
+    int64_t const weight = problem.k * problem.n;
+    bool const fused_wins = (problem.m <= kFusedMaxRowsOneGroup && weight <= kFusedMaxWeightElements)
+        || (problem.m <= kFusedMaxRows && weight <= kFusedMaxWeightElementsTwoGroups);
+    return tensor_cores && fused_wins ? FLASHNORM_STRATEGY_FUSED : FLASHNORM_STRATEGY_TWO_STREAM;
 }
 
 // Bytes the strategy `resolve` picks for exactly this problem needs.
@@ -98,7 +103,7 @@ size_t workspace_bytes_for(flashnorm_problem const& problem)
     switch (resolve(problem))
     {
     case FLASHNORM_STRATEGY_FUSED: return 0;
-    case FLASHNORM_STRATEGY_PRENORM: return flashnorm::prenorm_layout(problem.m, problem.k, problem.dtype).total;
+    case FLASHNORM_STRATEGY_PRENORM: return flashnorm::prenorm_layout(problem.m, problem.k, problem.dtype, problem.num_outputs).total;
     default: return flashnorm::two_stream_layout(problem.m, problem.n, problem.dtype).total;
     }
 }

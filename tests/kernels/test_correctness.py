@@ -65,11 +65,11 @@ def test_matches_float64_reference(m, dtype, strategy, rng):
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("m", [1, 7, 16, 33])
 def test_fused_long_k_and_wide_n(m, dtype, rng):
-    """Long K (the fused kernel's copy pipeline wraps many times) and wide N (one block per
-    column strip), with a K tail that is not a multiple of 16."""
+    """Long K (the fused kernel's copy pipeline wraps many times) and wide N (4, 2 and 1 blocks per
+    column strip on an H200), with a K tail that is not a multiple of 16."""
     kernels = kernels_module()
     generator = generator_from(rng)
-    for k, splits in [(4096, [8192]), (2050, [4104, 4096])]:
+    for k, splits in [(4096, [8192]), (2050, [4104, 4096]), (1040, [40000])]:
         x, w = random_inputs(generator, m, k, sum(splits), dtype)
         outputs = [torch.full((m, size), float("nan"), dtype=dtype, device="cuda") for size in splits]
         kernels.flashnorm_matmul(x, w, 1e-5, splits=splits, strategy="fused", out=outputs)

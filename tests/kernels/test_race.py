@@ -1,7 +1,9 @@
-"""The two-stream join under load: the side-stream RMS is held back (test hook) long enough that
-a post-scale not ordered after it reads the previous call's inv_rms, and every call's inputs have
-different row norms, so such a stale read is wrong by orders of magnitude. 1000 calls run back
-to back on a non-default stream and every one must be right.
+"""The side-stream joins under load. two_stream: the side-stream RMS is held back (test hook) long
+enough that a post-scale not ordered after it reads the previous call's inv_rms. prenorm: the
+narrow splits' GEMMs on the side stream are held back the same way, so a caller's next operation
+not ordered after them reads the previous call's outputs. Every call's inputs have different row
+norms, so such a stale read is wrong by orders of magnitude. 1000 calls run back to back on a
+non-default stream and every one must be right.
 
 Mutation proof: the same test against a build made with -DFLASHNORM_TESTING_DROP_JOIN=ON
 (FLASHNORM_LIBRARY pointing at it) must FAIL; plugins/flashnorm/tests/run_gpu.sh runs both.
@@ -19,8 +21,9 @@ SIDE_DELAY_CYCLES = 200_000  # ≈100 µs at H200 clocks: far longer than the GE
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("strategy", ["two_stream", "prenorm"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
-def test_back_to_back_calls_with_delayed_side_stream_stay_correct(dtype, rng):
+def test_back_to_back_calls_with_delayed_side_stream_stay_correct(dtype, strategy, rng):
     kernels = kernels_module()
     generator = generator_from(rng)
     m, k, splits = 8, 512, [256, 64, 64]
@@ -30,15 +33,19 @@ def test_back_to_back_calls_with_delayed_side_stream_stay_correct(dtype, rng):
     outputs = torch.full((CALLS, m, n), float("nan"), dtype=dtype, device="cuda")
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
+    # Every call's results stay allocated until the end: under the mutant, prenorm's side stream
+    # writes them late, and a freed result's memory could by then hold another call's cuBLASLt
+    # workspace (whose split-K counters, so overwritten, can stall the GPU instead of failing).
+    results = []
     kernels.set_side_delay(SIDE_DELAY_CYCLES)
     try:
         with torch.cuda.stream(stream):
             for call in range(CALLS):
                 pieces = list(torch.split(outputs[call], splits, dim=-1))
-                results = kernels.flashnorm_matmul(xs[call], w, 1e-5, splits=splits, strategy="two_stream")
-                for piece, result in zip(pieces, results):
+                results.append(kernels.flashnorm_matmul(xs[call], w, 1e-5, splits=splits, strategy=strategy))
+                for piece, result in zip(pieces, results[-1]):
                     piece.copy_(result)
-        stream.synchronize()
+        torch.cuda.synchronize()
     finally:
         kernels.set_side_delay(0)
     errors = row_errors(outputs.reshape(CALLS * m, n), reference(xs.reshape(CALLS * m, k), w, 1e-5))

@@ -90,7 +90,10 @@ def test_auto_strategy_through_the_python_binding(built_library, monkeypatch):
     assert kernels.resolve_strategy(1, 576, 960, torch.bfloat16) == "fused"
     assert kernels.resolve_strategy(16, 576, 960, torch.float16) == "fused"
     assert kernels.resolve_strategy(17, 576, 960, torch.bfloat16) == "two_stream"
-    assert kernels.resolve_strategy(1, 4096, 6144, torch.bfloat16) == "two_stream"
+    assert kernels.resolve_strategy(16, 576, 3072, torch.bfloat16) == "two_stream"
+    assert kernels.resolve_strategy(8, 4096, 6144, torch.bfloat16) == "fused"
+    assert kernels.resolve_strategy(9, 4096, 6144, torch.bfloat16) == "two_stream"
+    assert kernels.resolve_strategy(1, 4096, 28672, torch.bfloat16) == "two_stream"
     assert kernels.resolve_strategy(1, 576, 960, torch.float32) == "two_stream"
     assert kernels.resolve_strategy(1, 576, 962, torch.bfloat16) == "two_stream"
     assert kernels.resolve_strategy(255, 4096, 6144, torch.bfloat16) == "two_stream"
@@ -121,6 +124,6 @@ def test_auto_workspace_covers_every_smaller_m(built_library, monkeypatch):
             for top in (256, 1024, 4096, 60000):
                 largest = kernels.workspace_size(top, k, splits, dtype)
                 for m in (m for m in (1, 16, 17, 255, 256, 1000, 1023, 1024, 4096, 54614, 60000) if m <= top):
-                    picked = kernels.resolve_strategy(m, k, sum(splits), dtype)
+                    picked = kernels.resolve_strategy(m, k, sum(splits), dtype, splits)
                     needed = kernels.workspace_size(m, k, splits, dtype, picked)
                     assert needed <= largest, (k, splits, dtype, top, m, picked)

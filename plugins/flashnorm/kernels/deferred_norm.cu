@@ -12,6 +12,21 @@ constexpr int kPostScaleThreads = 256;
 constexpr int kPostScaleVec = 4;   // columns per thread
 constexpr int kMaxGridY = 65535;
 
+// Test hook: spins `cycles` GPU clock cycles, so that work ordered after the caller's results
+// (but not after this) runs first and reads whatever its buffers held before.
+__device__ __forceinline__ void spin(int64_t cycles)
+{
+    long long const start = clock64();
+    while (clock64() - start < cycles)
+    {
+    }
+}
+
+__global__ void delay_kernel(int64_t cycles)
+{
+    spin(cycles);
+}
+
 template <typename T>
 __global__ void __launch_bounds__(kRmsRowsPerBlock * 32)
     inv_rms_kernel(T const* __restrict__ x, int64_t m, int64_t k, float eps, float* __restrict__ inv_rms,
@@ -51,12 +66,7 @@ __global__ void __launch_bounds__(kRmsRowsPerBlock * 32)
     sum = warp_sum(sum);
     if (delay_cycles > 0)
     {
-        // Test hook: hold the result back so that a post-scale not ordered after this kernel
-        // reads whatever the buffer held before.
-        long long const start = clock64();
-        while (clock64() - start < delay_cycles)
-        {
-        }
+        spin(delay_cycles); // a post-scale not ordered after this kernel would read a stale buffer
     }
     if (row < m && lane == 0)
     {
@@ -158,6 +168,12 @@ cudaError_t launch_inv_rms(flashnorm_dtype dtype, void const* x, int64_t m, int6
         return launch_inv_rms_typed<__nv_bfloat16>(x, m, k, eps, inv_rms, delay_cycles, stream);
     }
     return cudaErrorInvalidValue;
+}
+
+cudaError_t launch_delay(int64_t cycles, cudaStream_t stream)
+{
+    delay_kernel<<<1, 1, 0, stream>>>(cycles);
+    return cudaGetLastError();
 }
 
 cudaError_t launch_post_scale(flashnorm_dtype dtype, flashnorm_dtype product_type, void const* product,

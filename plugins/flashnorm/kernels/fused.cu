@@ -4,9 +4,10 @@
 //
 // Two kernels:
 //  * fused_mma_kernel (fp16/bf16, N % 8 == 0, K even): tensor cores (mma.sync m16n8k16, fp32
-//    accumulators) on 16 rows of x per pass. Each warp streams 16-byte pieces of W* (8 rows × 32
-//    columns per copy) and its x fragments through a cp.async pipeline, and movmatrix transposes
-//    the 8×8 pieces of W* into the mma's B layout in registers. A 32-column strip is owned by one
+//    accumulators) on the transposed product, W*ᵀ as the mma's 16-row side and up to 16 tokens as
+//    its 8-wide side, so decode wastes no mma rows. Each warp streams whole 256-byte row pieces of
+//    W* (as a GEMV reads) and its x fragments through a cp.async ring into swizzled shared memory,
+//    and ldmatrix.trans hands W* to the mma in its A layout. A 128-column strip is owned by one
 //    thread-block cluster (Hopper): its blocks split K, and their partial sums meet in distributed
 //    shared memory, so there is still one launch and no global scratch. The cluster size follows
 //    the number of strips (pick_cluster_size).
@@ -28,35 +29,47 @@ namespace flashnorm
 namespace
 {
 
-constexpr int kThreads = 256;
-constexpr int kWarps = kThreads / 32;
 constexpr int64_t kMaxGridY = 65535;
 
 // ---------------------------------------------------------------- tensor-core kernel (16-bit)
 
-constexpr int kMmaRows = 16;   // rows of x per pass: the mma's M
-constexpr int kMmaCols = 32;   // columns of the strip a cluster owns: 4 lanes × 8 columns per W* row
-constexpr int kMmaUnroll = 2;  // k-steps of 16 per pipeline stage
-constexpr int kMmaStages = 3;  // stages in flight per warp (cp.async groups)
-constexpr int kMaxCluster = 8; // the portable cluster-size limit
+// The mma computes the transposed product, yᵀ[n, token] = W*ᵀ[n, k]·xᵀ[k, token]: W* is its A
+// operand (16 columns of W* per tile), x its B operand (8 tokens), so decode's few tokens fill the
+// mma's narrow side and W* needs no padding.
+constexpr int kMmaWarps = 4;
+constexpr int kMmaThreads = kMmaWarps * 32;
+constexpr int kMmaBlocksPerSm = 3;      // resident blocks per multiprocessor (shared memory bound)
+constexpr int kStripCols = 128;         // columns a cluster owns: 256 contiguous bytes of each W* row
+constexpr int kStripTiles = kStripCols / 16;
+constexpr int kStepRows = 16;           // rows of W* (k) per mma step
+constexpr int kRowChunks = kStripCols * 2 / 16; // 16-byte pieces of one strip row
+constexpr int kStages = 4;              // mma steps in flight per warp (cp.async groups)
+constexpr int kTokenGroupRows = 8;      // the mma's N: tokens per B operand
+constexpr int kMaxTokenGroups = 2;      // 16 rows of x per pass
+constexpr int kMaxPassRows = kTokenGroupRows * kMaxTokenGroups;
+constexpr int kMaxCluster = 8;          // the portable cluster-size limit
+constexpr int kPartialStride = kStripCols + 4; // +4 floats: conflict-free accumulator dump
 
-// One warp's share of one pipeline stage. Lane-major: each lane copies its own slots in and reads
-// only those back, so no barrier is needed between the copy and the read.
+// One warp's share of one pipeline stage: 16 rows × 128 columns of W* and the B fragments of x.
 struct MmaStage
 {
-    uint4 w[kMmaUnroll][2][32];    // W* rows k0+8·half+group, columns 8·quad .. +7
-    uint32_t a[kMmaUnroll][4][32]; // the mma's A fragment of x (pairs of k)
+    uint4 w[kStepRows][kRowChunks];                  // piece c of row r sits at c ^ (r % 8)
+    uint32_t x[kMaxTokenGroups][2][32];              // per lane: the pair of k for b0 and for b1
 };
 
-// After the main loop the pipeline buffers hold the warps' partial sums instead.
+// After the main loop the pipeline buffers hold the warps' and the block's sums instead.
 struct MmaPartials
 {
-    float sum[kWarps][kMmaRows][kMmaCols + 1]; // +1: conflict-free accumulator dump
+    float warp_sum[kMmaWarps][kMaxPassRows][kPartialStride];
+    float block_sum[kMaxPassRows * kStripCols]; // this block's share of K, read by the whole cluster
 };
 
-constexpr size_t kMmaSharedBytes = sizeof(MmaStage) * kMmaStages * kWarps > sizeof(MmaPartials)
-    ? sizeof(MmaStage) * kMmaStages * kWarps
+constexpr size_t kMmaSharedBytes = sizeof(MmaStage) * kStages * kMmaWarps > sizeof(MmaPartials)
+    ? sizeof(MmaStage) * kStages * kMmaWarps
     : sizeof(MmaPartials);
+// 1 KB per block is reserved by the hardware; 227 KB is an sm_90 multiprocessor's shared memory.
+static_assert(kMmaBlocksPerSm * (kMmaSharedBytes + 1024 + 1024) <= 227 * 1024,
+    "the fused kernel's shared memory must leave room for kMmaBlocksPerSm blocks per multiprocessor");
 
 // Asynchronous global→shared copies; `size` 0 copies nothing and zero-fills (out-of-range data).
 __device__ __forceinline__ void copy_async_16(void* shared, void const* global, bool valid)
@@ -84,11 +97,13 @@ __device__ __forceinline__ void copy_async_wait()
     asm volatile("cp.async.wait_group %0;" ::"n"(Pending));
 }
 
-__device__ __forceinline__ uint32_t transpose_8x8(uint32_t v)
+// Four 8×8 16-bit matrices from shared memory, transposed: with rows of W* (k) stored as rows,
+// each lane receives pairs along k, the layout of the mma's A operand for W*ᵀ.
+__device__ __forceinline__ void load_matrix_x4_trans(uint32_t (&a)[4], void const* row)
 {
-    uint32_t out;
-    asm volatile("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;" : "=r"(out) : "r"(v));
-    return out;
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(a[0]), "=r"(a[1]), "=r"(a[2]), "=r"(a[3])
+                 : "r"(static_cast<uint32_t>(__cvta_generic_to_shared(row))));
 }
 
 template <typename T>
@@ -125,20 +140,21 @@ __device__ __forceinline__ float square_sum_pair(uint32_t pair)
     return a * a + b * b;
 }
 
-// A cluster owns a strip of kMmaCols columns; all warps of its blocks split K between them in
-// k-steps of 16 (warp g of the cluster takes steps g, g + warps, ...). Each warp streams its W*
-// and x through a kMmaStages-deep cp.async pipeline: the copies hold no registers, so every warp
-// keeps kMmaStages - 1 stages of loads in flight while it computes one.
-template <typename T>
-__global__ void __launch_bounds__(kThreads)
+// A cluster owns a strip of kStripCols columns; the warps of its blocks split K between them in
+// mma steps of 16 rows (warp g of the cluster takes steps g, g + warps, ...). Each warp streams its
+// 4 KB per step of W* (whole 256-byte row pieces, as a GEMV reads) and its x fragments through a
+// kStages-deep cp.async ring: the copies hold no registers, so kStages - 1 steps stay in flight
+// while one is computed. TokenGroups (1 or 2) B operands of 8 tokens cover up to 16 rows of x.
+template <typename T, int TokenGroups>
+__global__ void __launch_bounds__(kMmaThreads, kMmaBlocksPerSm)
     fused_mma_kernel(T const* __restrict__ x, T const* __restrict__ w, int64_t m, int64_t k, int64_t n, float eps,
         OutputSplits splits)
 {
-    extern __shared__ __align__(16) unsigned char shared[];
-    __shared__ float partial_ssq[kWarps][kMmaRows];
-    __shared__ float block_sum[kMmaRows * kMmaCols]; // this block's share of K, read by the whole cluster
-    __shared__ float block_ssq[kMmaRows];
-    __shared__ float row_scale[kMmaRows];
+    constexpr int kPassRows = kTokenGroupRows * TokenGroups;
+    extern __shared__ __align__(128) unsigned char shared[];
+    __shared__ float partial_ssq[kMmaWarps][kPassRows];
+    __shared__ float block_ssq[kPassRows];
+    __shared__ float row_scale[kPassRows];
 
     namespace cg = cooperative_groups;
     cg::cluster_group const cluster = cg::this_cluster();
@@ -146,158 +162,174 @@ __global__ void __launch_bounds__(kThreads)
     int const rank = static_cast<int>(cluster.block_rank());
     int const lane = threadIdx.x & 31;
     int const warp = threadIdx.x >> 5;
-    int const group = lane >> 2; // the mma's row (A, D) and column (B) index of this lane
-    int const quad = lane & 3;   // the mma's k pair (A, B) and column pair (D) index
-    int64_t const row0 = int64_t(blockIdx.y) * kMmaRows;
-    int64_t const col0 = int64_t(blockIdx.x / ranks) * kMmaCols;
-    int64_t const col = col0 + 8 * quad;
-    bool const low_ok = row0 + group < m;
-    bool const high_ok = row0 + group + 8 < m;
-    T const* x_low = x + (low_ok ? row0 + group : 0) * k;
-    T const* x_high = x + (high_ok ? row0 + group + 8 : 0) * k;
+    int const group = lane >> 2; // the mma's A row / B column (token) / D row index of this lane
+    int const quad = lane & 3;   // the mma's k pair (A, B) and D column pair index
+    int64_t const row0 = int64_t(blockIdx.y) * kPassRows;
+    int64_t const col0 = int64_t(blockIdx.x / ranks) * kStripCols;
 
-    int64_t const steps = (k + 15) / 16;
-    int64_t const first = int64_t(rank) * kWarps + warp;
-    int64_t const warp_stride = int64_t(ranks) * kWarps;
-    int64_t const per_iteration = warp_stride * kMmaUnroll;
-    int64_t const iterations = first < steps ? (steps - first + per_iteration - 1) / per_iteration : 0;
-    MmaStage* const stages = reinterpret_cast<MmaStage*>(shared) + warp * kMmaStages;
-
-    auto issue = [&](int64_t iteration, MmaStage& stage) {
+    // This lane's copies: W* piece `chunk` of rows copy_row, copy_row + 2, ...; x pairs of token
+    // `group` of each token group.
+    int const chunk = lane % kRowChunks;
+    int const copy_row = lane / kRowChunks;
+    bool const chunk_ok = col0 + 8 * chunk < n;
+    T const* x_rows[TokenGroups];
+    bool x_ok[TokenGroups];
 #pragma unroll
-        for (int u = 0; u < kMmaUnroll; ++u)
+    for (int g = 0; g < TokenGroups; ++g)
+    {
+        int64_t const token = row0 + g * kTokenGroupRows + group;
+        x_ok[g] = token < m;
+        x_rows[g] = x + (x_ok[g] ? token : 0) * k;
+    }
+
+    int64_t const steps = (k + kStepRows - 1) / kStepRows;
+    int64_t const first = int64_t(rank) * kMmaWarps + warp;
+    int64_t const warp_stride = int64_t(ranks) * kMmaWarps;
+    int64_t const my_steps = first < steps ? (steps - 1 - first) / warp_stride + 1 : 0;
+    MmaStage* const stages = reinterpret_cast<MmaStage*>(shared) + warp * kStages;
+
+    auto issue = [&](int64_t index, MmaStage& stage) {
+        int64_t const k0 = (first + index * warp_stride) * kStepRows;
+#pragma unroll
+        for (int r = copy_row; r < kStepRows; r += 32 / kRowChunks)
         {
-            int64_t const step = first + (iteration * kMmaUnroll + u) * warp_stride;
-            bool const step_ok = step < steps;
-            int64_t const k0 = step * 16;
+            int64_t const w_row = k0 + r;
+            bool const ok = chunk_ok && w_row < k;
+            copy_async_16(&stage.w[r][chunk ^ (r % 8)], ok ? w + w_row * n + col0 + 8 * chunk : w, ok);
+        }
+#pragma unroll
+        for (int g = 0; g < TokenGroups; ++g)
+        {
 #pragma unroll
             for (int half = 0; half < 2; ++half)
             {
-                int64_t const w_row = k0 + 8 * half + group;
-                bool const ok = step_ok && w_row < k && col < n;
-                copy_async_16(&stage.w[u][half][lane], ok ? w + w_row * n + col : w, ok);
+                int64_t const pair = k0 + 8 * half + 2 * quad; // k is even: a pair never straddles K
+                bool const ok = x_ok[g] && pair < k;
+                copy_async_4(&stage.x[g][half][lane], ok ? x_rows[g] + pair : x, ok);
             }
-            int64_t const k_low = k0 + 2 * quad;
-            int64_t const k_high = k_low + 8;
-            bool const low_k_ok = step_ok && k_low < k;
-            bool const high_k_ok = step_ok && k_high < k;
-            copy_async_4(&stage.a[u][0][lane], low_ok && low_k_ok ? x_low + k_low : x, low_ok && low_k_ok);
-            copy_async_4(&stage.a[u][1][lane], high_ok && low_k_ok ? x_high + k_low : x, high_ok && low_k_ok);
-            copy_async_4(&stage.a[u][2][lane], low_ok && high_k_ok ? x_low + k_high : x, low_ok && high_k_ok);
-            copy_async_4(&stage.a[u][3][lane], high_ok && high_k_ok ? x_high + k_high : x, high_ok && high_k_ok);
         }
     };
 
-    float acc[4][4] = {};
-    float ssq_low = 0.f;
-    float ssq_high = 0.f;
+    float acc[kStripTiles][TokenGroups][4] = {};
+    float ssq[TokenGroups] = {};
+    // ldmatrix: lanes 8i..8i+7 address the rows of matrix i = (k rows 0-7 | 8-15) × (columns 0-7 | 8-15).
+    int const matrix_row = (lane >> 4) * 8 + (lane & 7);
+    int const matrix_chunk = (lane >> 3) & 1;
 #pragma unroll
-    for (int s = 0; s < kMmaStages - 1; ++s)
+    for (int s = 0; s < kStages - 1; ++s)
     {
-        if (s < iterations)
+        if (s < my_steps)
             issue(s, stages[s]);
         copy_async_commit(); // empty groups keep the count uniform
     }
-    for (int64_t iteration = 0; iteration < iterations; ++iteration)
+    for (int64_t index = 0; index < my_steps; ++index)
     {
-        // The stage refilled here was consumed in the previous iteration: its values already fed
-        // that iteration's mma instructions, which could not issue before the reads completed.
-        int64_t const ahead = iteration + kMmaStages - 1;
-        if (ahead < iterations)
-            issue(ahead, stages[ahead % kMmaStages]);
+        __syncwarp(); // every lane has read the stage refilled next (consumed in the previous step)
+        int64_t const ahead = index + kStages - 1;
+        if (ahead < my_steps)
+            issue(ahead, stages[ahead % kStages]);
         copy_async_commit();
-        copy_async_wait<kMmaStages - 1>(); // this iteration's group has landed
-        MmaStage const& stage = stages[iteration % kMmaStages];
+        copy_async_wait<kStages - 1>(); // this lane's copies of this step have landed
+        __syncwarp();                   // ... and the other lanes' too, visible to this lane
+        MmaStage const& stage = stages[index % kStages];
+        uint32_t b[TokenGroups][2];
 #pragma unroll
-        for (int u = 0; u < kMmaUnroll; ++u)
+        for (int g = 0; g < TokenGroups; ++g)
         {
-            uint32_t const a[4] = {stage.a[u][0][lane], stage.a[u][1][lane], stage.a[u][2][lane], stage.a[u][3][lane]};
-            // Each element of x's 16×16 A tile sits in exactly one lane: the norm is free here.
-            ssq_low += square_sum_pair<T>(a[0]) + square_sum_pair<T>(a[2]);
-            ssq_high += square_sum_pair<T>(a[1]) + square_sum_pair<T>(a[3]);
-            uint4 const upper = stage.w[u][0][lane];
-            uint4 const lower = stage.w[u][1][lane];
-            uint32_t const upper_words[4] = {upper.x, upper.y, upper.z, upper.w};
-            uint32_t const lower_words[4] = {lower.x, lower.y, lower.z, lower.w};
+            b[g][0] = stage.x[g][0][lane];
+            b[g][1] = stage.x[g][1][lane];
+            // Each element of x's 16×8 B tile sits in exactly one lane: the norm is free here.
+            ssq[g] += square_sum_pair<T>(b[g][0]) + square_sum_pair<T>(b[g][1]);
+        }
 #pragma unroll
-            for (int j = 0; j < 4; ++j)
+        for (int tile = 0; tile < kStripTiles; ++tile)
+        {
+            int const piece = 2 * tile + matrix_chunk;
+            uint32_t a[4];
+            load_matrix_x4_trans(a, &stage.w[matrix_row][piece ^ (matrix_row % 8)]);
+#pragma unroll
+            for (int g = 0; g < TokenGroups; ++g)
             {
-                // Piece j holds strip columns 8·(c/2) + 2j + c%2: after the transpose it is an n=8
-                // B operand, and D's column pair (2·quad, +1) lands on strip columns 8·quad + 2j, +1.
-                mma_16x8x16<T>(acc[j], a, transpose_8x8(upper_words[j]), transpose_8x8(lower_words[j]));
+                mma_16x8x16<T>(acc[tile][g], a, b[g][0], b[g][1]);
             }
         }
     }
     copy_async_wait<0>();
 
-    ssq_low += __shfl_xor_sync(0xffffffffu, ssq_low, 1);
-    ssq_low += __shfl_xor_sync(0xffffffffu, ssq_low, 2);
-    ssq_high += __shfl_xor_sync(0xffffffffu, ssq_high, 1);
-    ssq_high += __shfl_xor_sync(0xffffffffu, ssq_high, 2);
-    if (quad == 0)
+#pragma unroll
+    for (int g = 0; g < TokenGroups; ++g)
     {
-        partial_ssq[warp][group] = ssq_low;
-        partial_ssq[warp][group + 8] = ssq_high;
+        ssq[g] += __shfl_xor_sync(0xffffffffu, ssq[g], 1);
+        ssq[g] += __shfl_xor_sync(0xffffffffu, ssq[g], 2);
+        if (quad == 0)
+            partial_ssq[warp][g * kTokenGroupRows + group] = ssq[g];
     }
     __syncthreads(); // every warp is done with its pipeline buffers
     MmaPartials& partials = *reinterpret_cast<MmaPartials*>(shared);
 #pragma unroll
-    for (int j = 0; j < 4; ++j)
+    for (int tile = 0; tile < kStripTiles; ++tile)
     {
-        int const c = 8 * quad + 2 * j;
-        partials.sum[warp][group][c] = acc[j][0];
-        partials.sum[warp][group][c + 1] = acc[j][1];
-        partials.sum[warp][group + 8][c] = acc[j][2];
-        partials.sum[warp][group + 8][c + 1] = acc[j][3];
+#pragma unroll
+        for (int g = 0; g < TokenGroups; ++g)
+        {
+            // D[column, token]: (group, 2·quad), (group, 2·quad + 1), (group + 8, ...).
+            int const token = g * kTokenGroupRows + 2 * quad;
+            int const column = tile * 16 + group;
+            partials.warp_sum[warp][token][column] = acc[tile][g][0];
+            partials.warp_sum[warp][token + 1][column] = acc[tile][g][1];
+            partials.warp_sum[warp][token][column + 8] = acc[tile][g][2];
+            partials.warp_sum[warp][token + 1][column + 8] = acc[tile][g][3];
+        }
     }
     __syncthreads();
-    for (int index = threadIdx.x; index < kMmaRows * kMmaCols; index += kThreads)
+    for (int index = threadIdx.x; index < kPassRows * kStripCols; index += kMmaThreads)
     {
-        int const r = index / kMmaCols;
-        int const c = index % kMmaCols;
+        int const r = index / kStripCols;
+        int const c = index % kStripCols;
         float sum = 0.f;
 #pragma unroll
-        for (int v = 0; v < kWarps; ++v)
+        for (int v = 0; v < kMmaWarps; ++v)
         {
-            sum += partials.sum[v][r][c];
+            sum += partials.warp_sum[v][r][c];
         }
-        block_sum[index] = sum;
+        partials.block_sum[index] = sum;
     }
-    if (threadIdx.x < kMmaRows)
+    if (threadIdx.x < kPassRows)
     {
-        float ssq = 0.f;
+        float sum = 0.f;
 #pragma unroll
-        for (int v = 0; v < kWarps; ++v)
+        for (int v = 0; v < kMmaWarps; ++v)
         {
-            ssq += partial_ssq[v][threadIdx.x];
+            sum += partial_ssq[v][threadIdx.x];
         }
-        block_ssq[threadIdx.x] = ssq;
+        block_ssq[threadIdx.x] = sum;
     }
     cluster.sync(); // every block's sums are written and visible to the cluster
-    if (threadIdx.x < kMmaRows)
+    if (threadIdx.x < kPassRows)
     {
-        float ssq = 0.f;
+        float sum = 0.f;
         for (int q = 0; q < ranks; ++q)
         {
-            ssq += cluster.map_shared_rank(block_ssq, q)[threadIdx.x];
+            sum += cluster.map_shared_rank(block_ssq, q)[threadIdx.x];
         }
-        row_scale[threadIdx.x] = rsqrtf(ssq / float(k) + eps);
+        row_scale[threadIdx.x] = rsqrtf(sum / float(k) + eps);
     }
     __syncthreads();
     // The cluster's blocks share the epilogue: each reads all ranks' sums for its outputs
     // (the remote reads of one output are independent, so they are issued together).
-    for (int index = rank * kThreads + threadIdx.x; index < kMmaRows * kMmaCols; index += ranks * kThreads)
+    for (int index = rank * kMmaThreads + threadIdx.x; index < kPassRows * kStripCols;
+         index += ranks * kMmaThreads)
     {
-        int const r = index / kMmaCols;
+        int const r = index / kStripCols;
         int64_t const row = row0 + r;
-        int64_t const out_col = col0 + index % kMmaCols;
+        int64_t const out_col = col0 + index % kStripCols;
         if (row < m && out_col < n)
         {
             float parts[kMaxCluster];
 #pragma unroll
             for (int q = 0; q < kMaxCluster; ++q)
             {
-                parts[q] = q < ranks ? cluster.map_shared_rank(block_sum, q)[index] : 0.f;
+                parts[q] = q < ranks ? cluster.map_shared_rank(partials.block_sum, q)[index] : 0.f;
             }
             float sum = 0.f;
 #pragma unroll
@@ -312,6 +344,9 @@ __global__ void __launch_bounds__(kThreads)
 }
 
 // ---------------------------------------------------------------- CUDA-core kernel (any shape)
+
+constexpr int kThreads = 256;
+constexpr int kWarps = kThreads / 32;
 
 constexpr int kGenericCols = 32;      // one lane per column: a warp reads one row segment
 constexpr int kGenericChunk = kThreads; // rows of K staged in shared memory at a time
@@ -438,12 +473,13 @@ cudaError_t launch_row_windows(int64_t m, int64_t rows_per_block, Launch const& 
     return cudaSuccess;
 }
 
-template <typename T>
+template <typename T, int TokenGroups>
 cudaError_t launch_mma(T const* x, T const* w, int64_t m, int64_t k, int64_t n, float eps,
     OutputSplits const& splits, int cluster_size, cudaStream_t stream)
 {
-    int64_t const strips = (n + kMmaCols - 1) / kMmaCols;
-    return launch_row_windows(m, kMmaRows, [&](int64_t row0, int64_t rows, unsigned blocks_y) {
+    int64_t const strips = (n + kStripCols - 1) / kStripCols;
+    int64_t const pass_rows = kTokenGroupRows * TokenGroups;
+    return launch_row_windows(m, pass_rows, [&](int64_t row0, int64_t rows, unsigned blocks_y) {
         cudaLaunchAttribute cluster{};
         cluster.id = cudaLaunchAttributeClusterDimension;
         cluster.val.clusterDim.x = static_cast<unsigned>(cluster_size);
@@ -451,29 +487,33 @@ cudaError_t launch_mma(T const* x, T const* w, int64_t m, int64_t k, int64_t n, 
         cluster.val.clusterDim.z = 1;
         cudaLaunchConfig_t config{};
         config.gridDim = dim3(static_cast<unsigned>(strips * cluster_size), blocks_y);
-        config.blockDim = dim3(kThreads);
+        config.blockDim = dim3(kMmaThreads);
         config.dynamicSmemBytes = kMmaSharedBytes;
         config.stream = stream;
         config.attrs = &cluster;
         config.numAttrs = 1;
         // launch_row_windows reads the launch's error through cudaGetLastError.
-        static_cast<void>(cudaLaunchKernelEx(
-            &config, fused_mma_kernel<T>, x + row0 * k, w, rows, k, n, eps, shifted<T>(splits, row0)));
+        static_cast<void>(cudaLaunchKernelEx(&config, fused_mma_kernel<T, TokenGroups>, x + row0 * k, w, rows, k,
+            n, eps, shifted<T>(splits, row0)));
     });
 }
 
-// Blocks per 32-column strip (the cluster size). Measured on an H200 (bf16, M = 1 and 16, forced
-// sizes 1/2/4/8; plugins/flashnorm/kernels/NOTES.md): one block per strip is fastest once there
-// are two strips per multiprocessor (2048×16384: 25.7 µs vs 30.5 with 2; 4096×28672: 73 vs 79),
-// two blocks below that (4096×6144: 20.2 vs 22.5; 2048×3072: 8.3 vs 8.8), four only for very
-// narrow outputs (576×960: 4.3 vs 4.7). Larger clusters were always slower (8: up to 2×).
+// Blocks per 128-column strip (the cluster size). Measured on an H200 (bf16, W* from HBM, M = 1/4/16,
+// forced sizes 1/2/4/8; plugins/flashnorm/kernels/NOTES.md): the best size keeps the grid within
+// two blocks per multiprocessor and is at most 4 (576×3072: 5.2 µs at 4 vs 5.3 at 8; 2048×16384:
+// 20.3 at 2 vs 21.2 at 1 and 26.3 at 4; 4096×6144: 16.8 at 4 vs 22.3 at 8; 4096×28672: 61.5 at 1),
+// except for very narrow outputs, where 8 blocks per strip still fit in half a wave (576×960:
+// 4.6 µs at 8 vs 4.8 at 4).
 int pick_cluster_size(int64_t strips, int sm_count)
 {
-    if (strips >= 2 * int64_t(sm_count))
-        return 1;
-    if (2 * strips >= int64_t(sm_count))
-        return 2;
-    return 4;
+    if (strips * kMaxCluster * 2 <= int64_t(sm_count))
+        return kMaxCluster;
+    int size = 4;
+    while (size > 1 && strips * size > 2 * int64_t(sm_count))
+    {
+        size /= 2;
+    }
+    return size;
 }
 
 template <typename T, int MR>
@@ -512,9 +552,19 @@ cudaError_t launch_fused_16bit(T const* x, T const* w, int64_t m, int64_t k, int
     {
         return launch_generic_rows<T>(x, w, m, k, n, eps, splits, stream);
     }
-    int64_t const strips = (n + kMmaCols - 1) / kMmaCols;
+    int64_t const strips = (n + kStripCols - 1) / kStripCols;
     int const size = cluster_size > 0 ? cluster_size : pick_cluster_size(strips, sm_count);
-    return launch_mma<T>(x, w, m, k, n, eps, splits, size, stream);
+    // One B operand (8 tokens) where it covers M: half the mma work and accumulators of two.
+    if (m <= kTokenGroupRows)
+        return launch_mma<T, 1>(x, w, m, k, n, eps, splits, size, stream);
+    return launch_mma<T, 2>(x, w, m, k, n, eps, splits, size, stream);
+}
+
+template <typename T, int TokenGroups>
+cudaError_t allow_mma_shared_memory()
+{
+    return cudaFuncSetAttribute(fused_mma_kernel<T, TokenGroups>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+        static_cast<int>(kMmaSharedBytes));
 }
 
 } // namespace
@@ -522,14 +572,15 @@ cudaError_t launch_fused_16bit(T const* x, T const* w, int64_t m, int64_t k, int
 cudaError_t configure_fused_kernels()
 {
     // Above 48 KB a kernel's dynamic shared memory must be allowed explicitly, per device.
-    cudaError_t const half = cudaFuncSetAttribute(
-        fused_mma_kernel<__half>, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(kMmaSharedBytes));
-    if (half != cudaSuccess)
+    for (cudaError_t const status : {allow_mma_shared_memory<__half, 1>(), allow_mma_shared_memory<__half, 2>(),
+             allow_mma_shared_memory<__nv_bfloat16, 1>(), allow_mma_shared_memory<__nv_bfloat16, 2>()})
     {
-        return half;
+        if (status != cudaSuccess)
+        {
+            return status;
+        }
     }
-    return cudaFuncSetAttribute(fused_mma_kernel<__nv_bfloat16>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-        static_cast<int>(kMmaSharedBytes));
+    return cudaSuccess;
 }
 
 cudaError_t launch_fused(flashnorm_dtype dtype, void const* x, void const* w, int64_t m, int64_t k, int64_t n,

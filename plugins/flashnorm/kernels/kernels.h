@@ -24,6 +24,10 @@ struct OutputSplits
 cudaError_t launch_inv_rms(flashnorm_dtype dtype, void const* x, int64_t m, int64_t k, float eps, float* inv_rms,
     int64_t delay_cycles, cudaStream_t stream);
 
+// Test hook: one thread spins `cycles` GPU clock cycles on `stream` (the prenorm side stream's
+// stand-in for a slow GEMM).
+cudaError_t launch_delay(int64_t cycles, cudaStream_t stream);
+
 // outputs[i][r, c] = product[r, offsets[i] + c] * inv_rms[r]. `product` is the GEMM result
 // [m, n] in `product_dtype` (see product_dtype()).
 cudaError_t launch_post_scale(flashnorm_dtype dtype, flashnorm_dtype product_dtype, void const* product,

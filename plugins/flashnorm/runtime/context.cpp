@@ -171,11 +171,12 @@ TwoStreamLayout two_stream_layout(int64_t m, int64_t n, flashnorm_dtype dtype)
     return layout;
 }
 
-PrenormLayout prenorm_layout(int64_t m, int64_t k, flashnorm_dtype dtype)
+PrenormLayout prenorm_layout(int64_t m, int64_t k, flashnorm_dtype dtype, int outputs)
 {
     PrenormLayout layout{};
     layout.gemm_workspace_offset = round_up(element_bytes(dtype) * static_cast<size_t>(m * k));
-    layout.total = layout.gemm_workspace_offset + kGemmWorkspaceBytes;
+    layout.side_gemm_workspace_offset = layout.gemm_workspace_offset + kGemmWorkspaceBytes;
+    layout.total = layout.side_gemm_workspace_offset + (outputs > 1 ? kGemmWorkspaceBytes : 0);
     return layout;
 }
 
@@ -262,40 +263,63 @@ flashnorm_status run_two_stream(flashnorm_context* context, flashnorm_problem co
 flashnorm_status run_prenorm(flashnorm_context* context, flashnorm_problem const& problem, void const* x,
     void const* w, OutputSplits const& splits, void* workspace, cudaStream_t stream)
 {
-    PrenormLayout const layout = prenorm_layout(problem.m, problem.k, problem.dtype);
+    PrenormLayout const layout = prenorm_layout(problem.m, problem.k, problem.dtype, splits.count);
     char* const base = static_cast<char*>(workspace);
     void* const normalized = base;
-    void* const gemm_workspace = base + layout.gemm_workspace_offset;
     size_t const element = element_bytes(problem.dtype);
 
     // Every plan first (host only): a failure then leaves nothing enqueued.
     GemmPlan const* plans[FLASHNORM_MAX_OUTPUTS] = {};
+    void const* w_slices[FLASHNORM_MAX_OUTPUTS] = {};
+    int widest = 0;
     for (int i = 0; i < splits.count; ++i)
     {
-        void const* const w_slice = static_cast<char const*>(w) + element * static_cast<size_t>(splits.offsets[i]);
-        GemmKey const key{problem.m, problem.k, splits.offsets[i + 1] - splits.offsets[i], problem.n, problem.dtype,
-            problem.dtype, alignment_of(normalized), alignment_of(w_slice), alignment_of(splits.outputs[i])};
+        int64_t const width = splits.offsets[i + 1] - splits.offsets[i];
+        w_slices[i] = static_cast<char const*>(w) + element * static_cast<size_t>(splits.offsets[i]);
+        GemmKey const key{problem.m, problem.k, width, problem.n, problem.dtype, problem.dtype,
+            alignment_of(normalized), alignment_of(w_slices[i]), alignment_of(splits.outputs[i])};
         flashnorm_status const status = find_plan(context, key, &plans[i]);
         if (status != FLASHNORM_STATUS_OK)
         {
             return status;
         }
+        widest = width > splits.offsets[widest + 1] - splits.offsets[widest] ? i : widest;
     }
+
+    float const alpha = 1.f;
+    float const beta = 0.f;
+    auto gemm = [&](int i, void* gemm_workspace, cudaStream_t on) {
+        GemmPlan const* const plan = plans[i];
+        return cublasLtMatmul(context->cublas, plan->operation, &alpha, w_slices[i], plan->w_layout, normalized,
+            plan->x_layout, &beta, splits.outputs[i], plan->product_layout, splits.outputs[i], plan->product_layout,
+            &plan->algorithm, gemm_workspace, plan->workspace_bytes, on);
+    };
 
     FLASHNORM_CHECK(
         context, launch_normalize_rows(problem.dtype, x, normalized, problem.m, problem.k, problem.eps, stream));
-    float const alpha = 1.f;
-    float const beta = 0.f;
-    for (int i = 0; i < splits.count; ++i)
+    bool const forked = splits.count > 1;
+    if (forked)
     {
-        // One stream: the GEMMs run in order, so they share one cuBLASLt workspace.
-        void const* const w_slice = static_cast<char const*>(w) + element * static_cast<size_t>(splits.offsets[i]);
-        GemmPlan const* const plan = plans[i];
-        FLASHNORM_CHECK(context,
-            cublasLtMatmul(context->cublas, plan->operation, &alpha, w_slice, plan->w_layout, normalized,
-                plan->x_layout, &beta, splits.outputs[i], plan->product_layout, splits.outputs[i],
-                plan->product_layout, &plan->algorithm, gemm_workspace, plan->workspace_bytes, stream));
+        // A narrow split's GEMM alone leaves most of the GPU idle (kernels/NOTES.md, prenorm): the
+        // narrow ones run on the side stream, one after another on its own cuBLASLt workspace,
+        // while the widest runs here. Fork after x̂ is written: they all read it.
+        FLASHNORM_CHECK(context, cudaEventRecord(context->fork, stream));
+        FLASHNORM_CHECK(context, cudaStreamWaitEvent(context->side_stream, context->fork, 0));
+        if (context->side_delay_cycles > 0)
+            FLASHNORM_CHECK(context, launch_delay(context->side_delay_cycles, context->side_stream));
+        for (int i = 0; i < splits.count; ++i)
+        {
+            if (i != widest)
+                FLASHNORM_CHECK(context, gemm(i, base + layout.side_gemm_workspace_offset, context->side_stream));
+        }
+        FLASHNORM_CHECK(context, cudaEventRecord(context->join, context->side_stream));
     }
+    FLASHNORM_CHECK(context, gemm(widest, base + layout.gemm_workspace_offset, stream));
+#ifndef FLASHNORM_TESTING_DROP_JOIN
+    // Join: the narrow outputs are written before anything the caller enqueues next.
+    if (forked)
+        FLASHNORM_CHECK(context, cudaStreamWaitEvent(stream, context->join, 0));
+#endif
     return FLASHNORM_STATUS_OK;
 }
 

@@ -31,14 +31,15 @@ struct TwoStreamLayout
 };
 TwoStreamLayout two_stream_layout(int64_t m, int64_t n, flashnorm_dtype dtype);
 
-// The prenorm workspace: [x̂: m×k in the I/O dtype][cuBLASLt workspace], each region starting on
-// a 256-byte boundary.
+// The prenorm workspace: [x̂: m×k in the I/O dtype][cuBLASLt workspace][the side stream's
+// cuBLASLt workspace, with more than one output], each region starting on a 256-byte boundary.
 struct PrenormLayout
 {
     size_t gemm_workspace_offset;
+    size_t side_gemm_workspace_offset;
     size_t total;
 };
-PrenormLayout prenorm_layout(int64_t m, int64_t k, flashnorm_dtype dtype);
+PrenormLayout prenorm_layout(int64_t m, int64_t k, flashnorm_dtype dtype, int outputs);
 
 // A GEMM shape as cuBLASLt sees it: [m,k]·W[:, n columns] with W's rows w_ld elements apart (the
 // full N when prenorm reads one split's column slice), written in out_dtype. Pointer alignment is
@@ -79,6 +80,8 @@ struct flashnorm_context
     cudaEvent_t join = nullptr;
     cublasLtHandle_t cublas = nullptr;
     std::unordered_map<flashnorm::GemmKey, flashnorm::GemmPlan, flashnorm::GemmKeyHash> plans;
+    // Test hook: the side stream's work (two-stream's inv_rms, prenorm's narrow GEMMs) is held
+    // back this many GPU clock cycles.
     int64_t side_delay_cycles = 0;
     // Blocks per column strip of the fused kernel: 0 chooses per shape; 1, 2, 4 or 8 forces it.
     // Read from FLASHNORM_FUSED_CLUSTER_SIZE at creation, for tuning runs only.
@@ -98,7 +101,8 @@ flashnorm_status run_two_stream(flashnorm_context* context, flashnorm_problem co
     void const* w, OutputSplits const& splits, void* workspace, cudaStream_t stream);
 
 // y = x̂·W*, split: x̂ = x ⊙ inv_rms into the workspace, then one cuBLASLt GEMM per split from the
-// column slice of W* straight into that split's output. All on `stream`: no fork, no join.
+// column slice of W* straight into that split's output: the widest on `stream`, the others on the
+// side stream beside it (forked after x̂ is written, joined before the call returns).
 flashnorm_status run_prenorm(flashnorm_context* context, flashnorm_problem const& problem, void const* x,
     void const* w, OutputSplits const& splits, void* workspace, cudaStream_t stream);
 

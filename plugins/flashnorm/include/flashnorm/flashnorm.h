@@ -99,8 +99,9 @@ FLASHNORM_API char const* flashnorm_status_string(flashnorm_status status);
 /* The last error's detail on this context (thread-unsafe, for messages only). */
 FLASHNORM_API char const* flashnorm_context_last_error(flashnorm_context const* context);
 
-/* Test hook: the side-stream reduction spins this many GPU clock cycles before writing its
- * result, so that a missing join would read a stale buffer. 0 (the default) disables it. */
+/* Test hook: the side stream's work (two-stream's reduction, prenorm's narrow-split GEMMs) waits
+ * this many GPU clock cycles before it writes, so that a missing join would read a stale buffer.
+ * 0 (the default) disables it. */
 FLASHNORM_API void flashnorm_testing_set_side_delay(flashnorm_context* context, int64_t cycles);
 
 /* 1 if this build was made with FLASHNORM_TESTING_DROP_JOIN (the race mutation), else 0. */
