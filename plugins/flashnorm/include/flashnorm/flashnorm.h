@@ -43,8 +43,9 @@ typedef enum flashnorm_strategy
     FLASHNORM_STRATEGY_FUSED = 2,      /* one kernel: GEMV + sum(x²) + scale in its epilogue */
     FLASHNORM_STRATEGY_PRENORM = 3,    /* x̂ = x ⊙ rsqrt(mean(x²)+eps) into the workspace (one rounding to
                                           the I/O dtype), then one cuBLASLt GEMM per split writing its
-                                          output directly; for large M, where a pass over the N-wide
-                                          output costs more than one over the K-wide input */
+                                          output directly (all but the widest on the side stream, joined
+                                          before the call returns); for large M, where a pass over the
+                                          N-wide output costs more than one over the K-wide input */
 } flashnorm_strategy;
 
 typedef enum flashnorm_status
