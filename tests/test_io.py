@@ -353,6 +353,22 @@ def test_checker_rejects_model(tmp_path):
     _assert_one_line(excinfo, "invalid.onnx", "not a valid ONNX model", "undefined_weight")
 
 
+def test_read_interface_lists_what_callers_feed_without_reading_weights(external_model):
+    source, _ = external_model
+    source.with_name("weights.bin").unlink()  # read_interface must not need the weights
+    model = onnx.load(str(source), load_external_data=False)
+    # Older exporters also list initializers among the graph inputs; they are not fed.
+    model.graph.input.append(helper.make_tensor_value_info("eps", TensorProto.FLOAT, []))
+    source.write_bytes(model.SerializeToString())
+    interface = io.read_interface(source)
+    assert [value.name for value in interface.inputs] == ["x"]
+    assert [value.name for value in interface.outputs] == ["y", "z"]
+    assert interface.metadata == {"source": "tests/test_io.py"}
+    with pytest.raises(FlashNormError) as excinfo:
+        io.read_interface(source.with_name("absent.onnx"))
+    _assert_one_line(excinfo, "absent.onnx", "does not exist")
+
+
 def test_missing_external_data(external_model):
     source, _ = external_model
     source.with_name("weights.bin").unlink()

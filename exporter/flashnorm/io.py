@@ -462,13 +462,7 @@ def load(path: str | os.PathLike[str]) -> gs.Graph:
     model-local functions, ir_version, producer and model metadata are kept for `save`.
     Raises FlashNormError (one line) for a missing or unreadable file, a file that is not
     ONNX, a model the ONNX checker rejects, and missing or truncated external data."""
-    source = Path(path)
-    if not source.exists():
-        raise FlashNormError(f"model file {source} does not exist")
-    if not source.is_file():
-        raise FlashNormError(f"model path {source} is not a file")
-    if not os.access(source, os.R_OK):
-        raise FlashNormError(f"model file {source} is not readable")
+    source = _readable_model_file(path)
     model = _parse_model(source)
     _check(source, model)
 
@@ -493,6 +487,39 @@ def load(path: str | os.PathLike[str]) -> gs.Graph:
     fields.training_info.extend(model.training_info)
     setattr(graph, _MODEL_FIELDS_ATTRIBUTE, fields)
     return graph
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelInterface:
+    """What a caller feeds and receives: an ONNX file's graph inputs (initializers excluded),
+    its graph outputs, and its metadata_props."""
+
+    inputs: tuple[onnx.ValueInfoProto, ...]
+    outputs: tuple[onnx.ValueInfoProto, ...]
+    metadata: dict[str, str]
+
+
+def read_interface(path: str | os.PathLike[str]) -> ModelInterface:
+    """The inputs, outputs and metadata of an ONNX file, without reading its external data.
+    Raises FlashNormError (one line) for a missing or unreadable file or one that is not ONNX."""
+    model = _parse_model(_readable_model_file(path))
+    initializers = {tensor.name for tensor in model.graph.initializer}
+    return ModelInterface(
+        tuple(value for value in model.graph.input if value.name not in initializers),
+        tuple(model.graph.output),
+        {prop.key: prop.value for prop in model.metadata_props},
+    )
+
+
+def _readable_model_file(path: str | os.PathLike[str]) -> Path:
+    source = Path(path)
+    if not source.exists():
+        raise FlashNormError(f"model file {source} does not exist")
+    if not source.is_file():
+        raise FlashNormError(f"model path {source} is not a file")
+    if not os.access(source, os.R_OK):
+        raise FlashNormError(f"model file {source} is not readable")
+    return source
 
 
 # --------------------------------------------------------------------------------------------

@@ -69,7 +69,7 @@ def _error(capsys) -> str:
       "--outputs", "y"], "--outputs applies to --backend python"),
     (["--onnx", "{onnx}", "--backend", "python", "--outputs", "logits"], r"unknown output name\(s\) \['logits'\]"),
     (["--onnx", "{onnx}", "--backend", "python", "--engine", "{engine}"], "--engine applies to --backend tensorrt"),
-    (["--onnx", "{tmp}/absent.onnx", "--backend", "python"], "ONNX model .*absent.onnx does not exist"),
+    (["--onnx", "{tmp}/absent.onnx", "--backend", "python"], "model file .*absent.onnx does not exist"),
     (["--onnx", "{onnx}", "--backend", "python", "--instances", "0"], "--instances must be >= 1"),
 ])
 def test_bad_input_is_one_line_exit_2_and_writes_nothing(arguments, message, tmp_path, engine_files,

@@ -102,23 +102,14 @@ def _triton_type_from_onnx(value_info) -> str:
 
 def signature_from_onnx(path: str | os.PathLike[str]) -> ModelSignature:
     """Read the graph inputs (initializers excluded) and outputs of an ONNX file, without its weights."""
-    import onnx
+    from flashnorm.io import read_interface  # onnx and onnx-graphsurgeon load only when an ONNX file is read
 
-    path = Path(path)
-    if not path.is_file():
-        raise FlashNormError(f"ONNX model {path} does not exist")
-    try:
-        model = onnx.load(str(path), load_external_data=False)
-    except Exception as exc:  # onnx raises DecodeError/ValueError/OSError for bad files
-        raise FlashNormError(f"cannot read ONNX model {path}: {exc}") from None
-    initializers = {tensor.name for tensor in model.graph.initializer}
+    interface = read_interface(path)
     inputs = tuple(
-        TensorSpec(vi.name, _triton_type_from_onnx(vi), _dims_from_onnx(vi), True)
-        for vi in model.graph.input if vi.name not in initializers
+        TensorSpec(vi.name, _triton_type_from_onnx(vi), _dims_from_onnx(vi), True) for vi in interface.inputs
     )
     outputs = tuple(
-        TensorSpec(vi.name, _triton_type_from_onnx(vi), _dims_from_onnx(vi), False)
-        for vi in model.graph.output
+        TensorSpec(vi.name, _triton_type_from_onnx(vi), _dims_from_onnx(vi), False) for vi in interface.outputs
     )
     if not inputs or not outputs:
         raise FlashNormError(f"ONNX model {path} has no graph inputs or no graph outputs")

@@ -14,6 +14,7 @@ import numpy as np
 import onnx
 
 from flashnorm.errors import FlashNormError
+from flashnorm.io import read_interface
 
 DEFAULT_LEADING_DIM = 1
 """Size of an unresolved dynamic first axis of an input of rank ≥ 2 (batch-like)."""
@@ -81,17 +82,10 @@ def _spec(value: onnx.ValueInfoProto) -> TensorSpec:
 
 def read_signature(model_path: str | os.PathLike[str]) -> ModelSignature:
     """Inputs, outputs and metadata of an ONNX file, without reading external weights."""
-    path = Path(model_path)
-    if not path.is_file():
-        raise FlashNormError(f"model file {path} does not exist")
-    try:
-        model = onnx.load(str(path), load_external_data=False)
-    except Exception as exc:  # protobuf decode errors have no stable public type
-        raise FlashNormError(f"{path} is not an ONNX model: {type(exc).__name__}") from None
-    initializers = {t.name for t in model.graph.initializer}
-    inputs = tuple(_spec(v) for v in model.graph.input if v.name not in initializers)
-    outputs = tuple(_spec(v) for v in model.graph.output)
-    return ModelSignature(inputs, outputs, {p.key: p.value for p in model.metadata_props})
+    interface = read_interface(model_path)
+    return ModelSignature(
+        tuple(_spec(v) for v in interface.inputs), tuple(_spec(v) for v in interface.outputs), interface.metadata
+    )
 
 
 def parse_input_ids(text: str) -> np.ndarray:
