@@ -214,6 +214,45 @@ def test_fp16_model(rng):
         assert np.max(np.abs(got - expected)) / np.max(np.abs(expected)) < 2e-3
 
 
+def test_bf16_model(rng):
+    """bf16 activations (onnx-graphsurgeon keeps their ONNX type number: NumPy has no bfloat16)
+    are deferred like fp16; ONNX's reference evaluator runs the function (ONNX Runtime's CPU
+    provider has no bf16 kernels for it)."""
+    import ml_dtypes
+    from onnx.reference import ReferenceEvaluator
+
+    bf16 = ml_dtypes.bfloat16
+    b = GraphBuilder(17)
+    hidden = 64
+    sq = b.op("Mul", ["x", "x"])
+    ms = b.op("ReduceMean", [sq], axes=[-1])
+    rms = b.op("Sqrt", [b.op("Add", [ms, b.const(np.array(1e-5, bf16))])])
+    y = b.op("Div", ["x", rms])
+    weights = [(rng.standard_normal((hidden, n)) / 8).astype(bf16) for n in (64, 32)]
+    outputs = [b.op("MatMul", [y, b.const(w, "w")]) for w in weights]
+    x_info = helper.make_tensor_value_info("x", TensorProto.BFLOAT16, ["tokens", hidden])
+    graph = helper.make_graph(b.nodes, "bf16", [x_info],
+                              [helper.make_tensor_value_info(o, TensorProto.BFLOAT16, None) for o in outputs],
+                              b.initializers)
+    model = onnx.shape_inference.infer_shapes(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]))
+    model.ir_version = 9
+    deferred, reports = fold_then(model, ["defer"])
+    assert reports["defer"].count("deferred") == 1, reports["defer"].to_dict()
+    (node,) = flashnorm_nodes(deferred)
+    assert_plugin_encoding(deferred, node, float(bf16(1e-5)))
+    weight = next(i for i in deferred.graph.initializer if i.name == node.input[1])
+    assert weight.data_type == TensorProto.BFLOAT16
+
+    x = (rng.standard_normal((7, hidden)) * 3).astype(bf16)
+    actual = ReferenceEvaluator(deferred).run(None, {"x": x})
+    x64 = x.astype(np.float64)
+    inv = 1.0 / np.sqrt(np.mean(x64**2, axis=-1, keepdims=True) + float(bf16(1e-5)))
+    for got, w in zip(actual, weights):
+        assert got.dtype == bf16
+        expected = (x64 @ w.astype(np.float64)) * inv
+        assert np.max(np.abs(got.astype(np.float64) - expected)) / np.max(np.abs(expected)) < 1e-2
+
+
 def test_low_opset_is_reported(rng):
     model = build_norm_model("pow_div", rng, weightless=True)
     graph = gs.import_onnx(model)

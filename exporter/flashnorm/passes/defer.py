@@ -84,15 +84,6 @@ class Projection:
         return weight
 
 
-def _dtype_name(dtype) -> Optional[str]:
-    if dtype is None:
-        return None
-    try:
-        return np.dtype(dtype).name
-    except TypeError:
-        return str(dtype)
-
-
 def _constant_matrix(tensor: gs.Tensor, where: str) -> tuple[gs.Constant, bool]:
     """A weight as a constant and whether it sat behind a Transpose([1, 0]). An initializer is
     returned as it is (its values stay unread); a weight computed from constants (Constant
@@ -150,8 +141,8 @@ def _projection(site: NormSite, node: gs.Node, dtype: str, hidden: Optional[int]
     if hidden is not None and projection.shape[0] != hidden:
         raise NotDeferrable(f"{where}: weight has {projection.shape[0]} rows, the norm has {hidden} channels")
     output = node.outputs[0]
-    if output.dtype is not None and _dtype_name(output.dtype) != dtype:
-        raise NotDeferrable(f"{where}: output dtype {_dtype_name(output.dtype)} differs from the activation's {dtype}")
+    if output.dtype is not None and stored_dtype_name(output) != dtype:
+        raise NotDeferrable(f"{where}: output dtype {stored_dtype_name(output)} differs from the activation's {dtype}")
     return projection
 
 
@@ -182,13 +173,13 @@ def plan_defer(site: NormSite, graph_outputs: frozenset[str]) -> DeferPlan:
         raise NotDeferrable(f"normalized axis {site.axis} is not the last")
     if site.output.name in graph_outputs:
         raise NotDeferrable("the normalized tensor is a graph output")
-    dtype = _dtype_name(site.input.dtype) or _dtype_name(site.output.dtype)
-    if dtype is None:
+    dtype = stored_dtype_name(site.input) or stored_dtype_name(site.output)
+    if not dtype:
         raise NotDeferrable("the activation dtype is unknown (run shape inference)")
     if dtype not in _FLOAT_NAMES:
         raise NotDeferrable(f"activation dtype {dtype} is not float32, float16 or bfloat16")
-    if site.output.dtype is not None and _dtype_name(site.output.dtype) != dtype:
-        raise NotDeferrable(f"the norm changes dtype ({dtype} → {_dtype_name(site.output.dtype)})")
+    if site.output.dtype is not None and stored_dtype_name(site.output) != dtype:
+        raise NotDeferrable(f"the norm changes dtype ({dtype} → {stored_dtype_name(site.output)})")
     shape_readers = [n for n in site.consumers if _reads_only_shape(site, n)]
     consumers = [n for n in site.consumers if n not in shape_readers]
     if not consumers:
