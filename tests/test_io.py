@@ -353,20 +353,35 @@ def test_checker_rejects_model(tmp_path):
     _assert_one_line(excinfo, "invalid.onnx", "not a valid ONNX model", "undefined_weight")
 
 
-def test_read_interface_lists_what_callers_feed_without_reading_weights(external_model):
-    source, _ = external_model
-    source.with_name("weights.bin").unlink()  # read_interface must not need the weights
-    model = onnx.load(str(source), load_external_data=False)
+@pytest.mark.parametrize("storage", ["external", "inline"])
+def test_read_interface_lists_what_callers_feed_without_reading_weights(external_model, storage):
+    source, weights = external_model
+    if storage == "external":
+        source.with_name("weights.bin").unlink()  # read_interface must not need the weights
+        model = onnx.load(str(source), load_external_data=False)
+    else:
+        model = _model(weights)
     # Older exporters also list initializers among the graph inputs; they are not fed.
     model.graph.input.append(helper.make_tensor_value_info("eps", TensorProto.FLOAT, []))
     source.write_bytes(model.SerializeToString())
     interface = io.read_interface(source)
+    assert interface.inputs == (model.graph.input[0],)
+    assert interface.outputs == tuple(model.graph.output)
     assert [value.name for value in interface.inputs] == ["x"]
     assert [value.name for value in interface.outputs] == ["y", "z"]
     assert interface.metadata == {"source": "tests/test_io.py"}
     with pytest.raises(FlashNormError) as excinfo:
         io.read_interface(source.with_name("absent.onnx"))
     _assert_one_line(excinfo, "absent.onnx", "does not exist")
+
+
+def test_read_interface_of_a_truncated_inline_model(tmp_path, rng):
+    data = _model(_weights(rng)).SerializeToString()
+    path = tmp_path / "cut.onnx"
+    path.write_bytes(data[: len(data) * 2 // 3])
+    with pytest.raises(FlashNormError) as excinfo:
+        io.read_interface(path)
+    _assert_one_line(excinfo, "cut.onnx", "not an ONNX model")
 
 
 def test_missing_external_data(external_model):

@@ -319,13 +319,16 @@ def _read_field(handle: IO[bytes], wire_type: int) -> tuple[bytes, int]:
     raise DecodeError(f"unsupported wire type {wire_type}")
 
 
-def _read_model(handle: IO[bytes], end: int, progress: _ByteProgress) -> onnx.ModelProto:
+def _read_model(
+    handle: IO[bytes], end: int, progress: _ByteProgress, initializer_names_only: bool = False
+) -> onnx.ModelProto:
     """Parse a ModelProto from a file, one initializer at a time.
 
     `ParseFromString` needs the whole file in memory next to the parsed model: an inline model
     held twice. Here every field except the graph's initializers is gathered as bytes (small)
     and merged at the end; each initializer is read and parsed on its own, straight into the
-    model, so the peak is the model plus its largest tensor."""
+    model, so the peak is the model plus its largest tensor. With `initializer_names_only` an
+    initializer keeps only its name and its payload is skipped unread."""
     model = onnx.ModelProto()
     model_rest, graph_rest = bytearray(), bytearray()
     while (field := _read_key_and_length(handle)) is not None:
@@ -343,7 +346,9 @@ def _read_model(handle: IO[bytes], end: int, progress: _ByteProgress) -> onnx.Mo
                 raise _Truncated
             inner_number, inner_type, inner_key = inner
             inner_head, inner_length = _read_field(handle, inner_type)
-            if inner_number == 5 and inner_type == 2:  # GraphProto.initializer
+            if inner_number == 5 and inner_type == 2 and initializer_names_only:
+                model.graph.initializer.add().name = _read_tensor_name(handle, handle.tell() + inner_length, graph_end)
+            elif inner_number == 5 and inner_type == 2:  # GraphProto.initializer
                 model.graph.initializer.add().ParseFromString(_read_exact(handle, inner_length))
                 progress.step(inner_length)
             else:
@@ -356,12 +361,33 @@ def _read_model(handle: IO[bytes], end: int, progress: _ByteProgress) -> onnx.Mo
     return model
 
 
-def _parse_model(path: Path) -> onnx.ModelProto:
+def _read_tensor_name(handle: IO[bytes], tensor_end: int, limit: int) -> str:
+    """A serialized TensorProto's name (field 8), its other fields skipped; leaves `handle` at
+    `tensor_end`."""
+    if tensor_end > limit:
+        raise _Truncated
+    name = ""
+    while handle.tell() < tensor_end:
+        field = _read_key_and_length(handle)
+        if field is None:
+            raise _Truncated
+        number, wire_type, _ = field
+        _, length = _read_field(handle, wire_type)
+        if number == 8 and wire_type == 2:
+            name = _read_exact(handle, length).decode("utf-8")
+        else:
+            handle.seek(length, os.SEEK_CUR)
+    if handle.tell() != tensor_end:
+        raise DecodeError("initializer length does not match its content")
+    return name
+
+
+def _parse_model(path: Path, initializer_names_only: bool = False) -> onnx.ModelProto:
     try:
         size = path.stat().st_size
         progress = _ByteProgress(f"loading {path.name}", size)
         with open(path, "rb") as handle:
-            model = _read_model(handle, size, progress)
+            model = _read_model(handle, size, progress, initializer_names_only)
         progress.finish()
     except (DecodeError, _Truncated):
         too_large = " (over protobuf's 2 GiB limit)" if path.stat().st_size >= _TWO_GIB else ""
@@ -500,9 +526,10 @@ class ModelInterface:
 
 
 def read_interface(path: str | os.PathLike[str]) -> ModelInterface:
-    """The inputs, outputs and metadata of an ONNX file, without reading its external data.
-    Raises FlashNormError (one line) for a missing or unreadable file or one that is not ONNX."""
-    model = _parse_model(_readable_model_file(path))
+    """The inputs, outputs and metadata of an ONNX file, without reading its weights (external
+    data, and the payloads of inline initializers, are skipped unread). Raises FlashNormError
+    (one line) for a missing or unreadable file or one that is not ONNX."""
+    model = _parse_model(_readable_model_file(path), initializer_names_only=True)
     initializers = {tensor.name for tensor in model.graph.initializer}
     return ModelInterface(
         tuple(value for value in model.graph.input if value.name not in initializers),
