@@ -340,12 +340,9 @@ def _read_model(
         graph_end = handle.tell() + length
         if graph_end > end:
             raise _Truncated
-        while handle.tell() < graph_end:
-            inner = _read_key_and_length(handle)
-            if inner is None:
-                raise _Truncated
-            inner_number, inner_type, inner_key = inner
-            inner_head, inner_length = _read_field(handle, inner_type)
+        for inner_number, inner_type, inner_key, inner_head, inner_length in _embedded_fields(
+            handle, graph_end, "graph field"
+        ):
             if inner_number == 5 and inner_type == 2 and initializer_names_only:
                 model.graph.initializer.add().name = _read_tensor_name(handle, handle.tell() + inner_length, graph_end)
             elif inner_number == 5 and inner_type == 2:  # GraphProto.initializer
@@ -353,8 +350,6 @@ def _read_model(
                 progress.step(inner_length)
             else:
                 graph_rest += inner_key + inner_head + _read_exact(handle, inner_length)
-        if handle.tell() != graph_end:
-            raise DecodeError("graph field length does not match its content")
     if graph_rest:
         model.graph.MergeFromString(bytes(graph_rest))
     model.MergeFromString(bytes(model_rest))
@@ -367,19 +362,27 @@ def _read_tensor_name(handle: IO[bytes], tensor_end: int, limit: int) -> str:
     if tensor_end > limit:
         raise _Truncated
     name = ""
-    while handle.tell() < tensor_end:
-        field = _read_key_and_length(handle)
-        if field is None:
-            raise _Truncated
-        number, wire_type, _ = field
-        _, length = _read_field(handle, wire_type)
+    for number, wire_type, _, _, length in _embedded_fields(handle, tensor_end, "initializer"):
         if number == 8 and wire_type == 2:
             name = _read_exact(handle, length).decode("utf-8")
         else:
             handle.seek(length, os.SEEK_CUR)
-    if handle.tell() != tensor_end:
-        raise DecodeError("initializer length does not match its content")
     return name
+
+
+def _embedded_fields(handle: IO[bytes], field_end: int, what: str) -> Iterator[tuple[int, int, bytes, bytes, int]]:
+    """The fields of an embedded message ending at `field_end`: (number, wire type, key bytes,
+    bytes up to the payload, payload length). The caller reads or skips each payload before
+    asking for the next field."""
+    while handle.tell() < field_end:
+        field = _read_key_and_length(handle)
+        if field is None:
+            raise _Truncated
+        number, wire_type, key = field
+        head, length = _read_field(handle, wire_type)
+        yield number, wire_type, key, head, length
+    if handle.tell() != field_end:
+        raise DecodeError(f"{what} length does not match its content")
 
 
 def _parse_model(path: Path, initializer_names_only: bool = False) -> onnx.ModelProto:

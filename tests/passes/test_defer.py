@@ -178,23 +178,29 @@ def test_gemm_alpha_beta_and_transposed_weight(rng, max_error):
     assert max_error(model, deferred) < 1e-5
 
 
-def test_fp16_model(rng):
-    """fp16 activations and weights: the node keeps fp16 I/O (TensorRT's strongly typed
-    plugin receives fp16), the function computes the norm in fp32."""
+def half_precision_model(rng, dtype, onnx_type: int, hidden: int = 64) -> tuple[onnx.ModelProto, list[np.ndarray]]:
+    """A norm (no gain) feeding two projections, activations and weights in a 16-bit `dtype`."""
     b = GraphBuilder(17)
-    hidden = 64
     sq = b.op("Mul", ["x", "x"])
     ms = b.op("ReduceMean", [sq], axes=[-1])
-    rms = b.op("Sqrt", [b.op("Add", [ms, b.const(np.array(1e-5, np.float16))])])
+    rms = b.op("Sqrt", [b.op("Add", [ms, b.const(np.array(1e-5, dtype))])])
     y = b.op("Div", ["x", rms])
-    weights = [(rng.standard_normal((hidden, n)) / 8).astype(np.float16) for n in (64, 32)]
+    weights = [(rng.standard_normal((hidden, n)) / 8).astype(dtype) for n in (64, 32)]
     outputs = [b.op("MatMul", [y, b.const(w, "w")]) for w in weights]
-    x_info = helper.make_tensor_value_info("x", TensorProto.FLOAT16, ["tokens", hidden])
-    graph = helper.make_graph(b.nodes, "fp16", [x_info],
-                              [helper.make_tensor_value_info(o, TensorProto.FLOAT16, None) for o in outputs],
+    x_info = helper.make_tensor_value_info("x", onnx_type, ["tokens", hidden])
+    graph = helper.make_graph(b.nodes, "half", [x_info],
+                              [helper.make_tensor_value_info(o, onnx_type, None) for o in outputs],
                               b.initializers)
     model = onnx.shape_inference.infer_shapes(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]))
     model.ir_version = 9
+    return model, weights
+
+
+def test_fp16_model(rng):
+    """fp16 activations and weights: the node keeps fp16 I/O (TensorRT's strongly typed
+    plugin receives fp16), the function computes the norm in fp32."""
+    hidden = 64
+    model, weights = half_precision_model(rng, np.float16, TensorProto.FLOAT16, hidden)
     deferred, reports = fold_then(model, ["defer"])
     assert reports["defer"].count("deferred") == 1, reports["defer"].to_dict()
     (node,) = flashnorm_nodes(deferred)
@@ -222,20 +228,8 @@ def test_bf16_model(rng):
     from onnx.reference import ReferenceEvaluator
 
     bf16 = ml_dtypes.bfloat16
-    b = GraphBuilder(17)
     hidden = 64
-    sq = b.op("Mul", ["x", "x"])
-    ms = b.op("ReduceMean", [sq], axes=[-1])
-    rms = b.op("Sqrt", [b.op("Add", [ms, b.const(np.array(1e-5, bf16))])])
-    y = b.op("Div", ["x", rms])
-    weights = [(rng.standard_normal((hidden, n)) / 8).astype(bf16) for n in (64, 32)]
-    outputs = [b.op("MatMul", [y, b.const(w, "w")]) for w in weights]
-    x_info = helper.make_tensor_value_info("x", TensorProto.BFLOAT16, ["tokens", hidden])
-    graph = helper.make_graph(b.nodes, "bf16", [x_info],
-                              [helper.make_tensor_value_info(o, TensorProto.BFLOAT16, None) for o in outputs],
-                              b.initializers)
-    model = onnx.shape_inference.infer_shapes(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]))
-    model.ir_version = 9
+    model, weights = half_precision_model(rng, bf16, TensorProto.BFLOAT16, hidden)
     deferred, reports = fold_then(model, ["defer"])
     assert reports["defer"].count("deferred") == 1, reports["defer"].to_dict()
     (node,) = flashnorm_nodes(deferred)
