@@ -97,6 +97,8 @@ def _load() -> ctypes.CDLL:
         lib.flashnorm_context_last_error.restype = ctypes.c_char_p
         lib.flashnorm_testing_set_side_delay.argtypes = [ctypes.c_void_p, ctypes.c_int64]
         lib.flashnorm_testing_set_side_delay.restype = None
+        lib.flashnorm_testing_set_fused_tuning.argtypes = [ctypes.c_void_p, ctypes.c_int32, ctypes.c_int32]
+        lib.flashnorm_testing_set_fused_tuning.restype = ctypes.c_int
         lib.flashnorm_testing_join_dropped.argtypes = []
         lib.flashnorm_testing_join_dropped.restype = ctypes.c_int
         _library = lib
@@ -246,9 +248,21 @@ def warm_up(device: torch.device | int | None = None) -> None:
 
 
 def set_side_delay(cycles: int, device: torch.device | int | None = None) -> None:
-    """Test hook: the two-stream RMS reduction of this thread's context spins `cycles` GPU
-    clock cycles before writing, so that a missing join would read a stale buffer."""
+    """Test hook: the side stream's work of this thread's context (two-stream's RMS reduction,
+    prenorm's narrow GEMMs) waits `cycles` GPU clock cycles first, so that a missing join would
+    read a stale buffer."""
     _load().flashnorm_testing_set_side_delay(_context(_cuda_device(device)), int(cycles))
+
+
+def set_fused_tuning(strip_cols: int = 0, cluster_size: int = 0, device: torch.device | int | None = None) -> None:
+    """Tuning hook: forces the fused kernel's strip width (32 or 128 columns of W* per
+    cluster) and cluster size (1, 2, 4 or 8 blocks per strip) on this thread's context; 0 restores
+    the automatic choice."""
+    lib = _load()
+    context = _context(_cuda_device(device))
+    status = lib.flashnorm_testing_set_fused_tuning(context, int(strip_cols), int(cluster_size))
+    if status != 0:
+        raise FlashNormError(lib.flashnorm_context_last_error(context).decode())
 
 
 def join_dropped() -> bool:

@@ -1,4 +1,5 @@
 // The C ABI (include/flashnorm/flashnorm.h): argument checks, strategy choice, dispatch.
+#include <algorithm>
 #include <new>
 
 #include "flashnorm/flashnorm.h"
@@ -11,27 +12,28 @@ namespace
 
 // AUTO, measured on an NVIDIA H200 (bf16, W* from HBM, CUDA-graph replay; plugins/flashnorm/kernels/NOTES.md
 // and docs/BENCHMARKS.md): the fused kernel where it beat two-stream. With one B operand of 8 tokens
-// (M <= 8) it did on every W* up to 4096×6144 (2048×16384, M=4: 20.8 vs 22.0 µs; 4096×6144: 16.9
-// vs 18.7) and tied or lost on 4096×28672 (61.5 vs 60.7), so up to K·N = 2^26 elements. With two
-// (9..16 rows) it won only on a small W* (576×960, M=16: 5.4 vs 5.6; 576×3072: 6.5 vs 6.2). The
-// CUDA-core fallback (fp32, N % 8 != 0, odd K) is never picked (fp32 1×2048×3072: 46.7 µs fused,
-// 8.0 µs two-stream).
+// (M <= 8) it did on every W* measured (2048×16384, M=4: 20.5 vs 22.1 µs; 4096×6144: 16.8 vs 18.8;
+// 4096×28672, the largest: 58.8 vs 60.1 at M=1 and 60.5 vs 61.8 at M=4 on 2026-11-29 20:46 UTC,
+// faster or tied in 5 of 6 runs that day, 66.4 vs 60.2 in one). With two (9..16 rows) it won only
+// on the small W* that take its 32-column strips (M=16, 576×960: 4.6 vs 5.6; 576×3072: 6.0 vs
+// 6.2) and tied from 2048×3072 up (9.0 vs 8.9). The CUDA-core fallback (fp32, N % 8 != 0, odd K)
+// is never picked (fp32 1×2048×3072: 46.7 µs fused, 8.0 µs two-stream).
 constexpr int64_t kFusedMaxRows = 16;
 constexpr int64_t kFusedMaxRowsOneGroup = 8;
-constexpr int64_t kFusedMaxWeightElements = int64_t(1) << 26;
-constexpr int64_t kFusedMaxWeightElementsTwoGroups = int64_t(1) << 20;
+constexpr int64_t kFusedMaxWeightElementsTwoGroups = int64_t(1) << 21;
 // Prenorm (kernels/NOTES.md, "prenorm"): two-stream's post-scale reads and writes the N-wide output
-// once more, prenorm's extra pass is over the K-wide input; but prenorm runs one GEMM per split, and
-// a narrow split (k/v: 192-1024 columns) is a GEMM too small to fill the GPU. Measured (bf16,
-// H200), prenorm beat two-stream exactly where M × (narrowest split) >= 1.5·2^20 (e.g. M=1024 ×
-// 1536: 13.1 vs 14.2 µs; 4096 × 512: 88.5 vs 95.8) and lost wherever it was <= 2^20 (1024×1024: 87.2 vs
-// 78.2; 4096×192: 20.5 vs 17.3); the threshold sits between. fp32 GEMMs run on CUDA cores, where
-// the narrow splits cost little: prenorm won at M = 1024 on both sites measured (292.7 vs 306.9,
-// 1030 vs 1086 µs) and lost at M = 256 on one (101.4 vs 83.8).
-// Kept after the narrow splits' GEMMs moved to the side stream: in that re-run it still picked the
-// faster of the two on 22 of 24 bf16 points (misses within 4 %).
+// once more, prenorm's extra pass is over the K-wide input; but prenorm runs one GEMM per run of
+// consecutive equal-width splits (a pointer-array batched GEMM for a run of several), and a narrow
+// run (k|v: 384-2048 columns) is a GEMM too small to fill the GPU. Measured (bf16, H200,
+// W* from HBM, 2026-11-29): where all splits form one run (gate|up, a single output) prenorm beat
+// two-stream from M = 256 on every site (576×3072: 7.3 vs 9.6 µs; 4096×28672: 96.6 vs 107.8);
+// with a narrow run it won where M × (narrowest run) >= 1.5·2^20 (4096 × 384: 18.4 vs 19.7
+// µs; 4096 × 1024: 79.1 vs 94.9), tied around 2^20 (1024 × 1024: 27.1 vs 27.3; 1024 × 2048: 82.2
+// vs 82.1) and lost below (256 × 2048: 33.7 vs 31.3; 1024 × 384: 10.5 vs 10.7). fp32 GEMMs run on
+// CUDA cores, where the narrow splits cost little: prenorm won at M = 1024 on both sites measured
+// (292.7 vs 306.9, 1030 vs 1086 µs) and lost at M = 256 on one (101.4 vs 83.8).
 constexpr int64_t kPrenormMinRows = 256;
-constexpr int64_t kPrenormMinNarrowSplitElements = int64_t(5) << 18; // 1.25·2^20
+constexpr int64_t kPrenormMinNarrowRunElements = int64_t(5) << 18; // 1.25·2^20
 constexpr int64_t kPrenormMinRowsF32 = 1024;
 
 bool valid_dtype(flashnorm_dtype dtype)
@@ -78,10 +80,14 @@ int64_t prenorm_min_rows(flashnorm_problem const& problem)
 {
     if (problem.dtype == FLASHNORM_DTYPE_F32)
         return kPrenormMinRowsF32;
-    int64_t narrowest = problem.split_sizes[0];
-    for (int i = 1; i < problem.num_outputs; ++i)
-        narrowest = problem.split_sizes[i] < narrowest ? problem.split_sizes[i] : narrowest;
-    int64_t const rows = (kPrenormMinNarrowSplitElements + narrowest - 1) / narrowest;
+    flashnorm::SplitRun runs[FLASHNORM_MAX_OUTPUTS];
+    int const run_count = flashnorm::split_runs(problem, runs);
+    if (run_count == 1)
+        return kPrenormMinRows;
+    int64_t narrowest = problem.n;
+    for (int r = 0; r < run_count; ++r)
+        narrowest = std::min(narrowest, runs[r].width * runs[r].count);
+    int64_t const rows = (kPrenormMinNarrowRunElements + narrowest - 1) / narrowest;
     return rows > kPrenormMinRows ? rows : kPrenormMinRows;
 }
 
@@ -94,7 +100,7 @@ flashnorm_strategy resolve(flashnorm_problem const& problem)
     bool const tensor_cores
         = problem.dtype != FLASHNORM_DTYPE_F32 && flashnorm::fused_tensor_core_shape(problem.k, problem.n);
     int64_t const weight = problem.k * problem.n;
-    bool const fused_wins = (problem.m <= kFusedMaxRowsOneGroup && weight <= kFusedMaxWeightElements)
+    bool const fused_wins = problem.m <= kFusedMaxRowsOneGroup
         || (problem.m <= kFusedMaxRows && weight <= kFusedMaxWeightElementsTwoGroups);
     return tensor_cores && fused_wins ? FLASHNORM_STRATEGY_FUSED : FLASHNORM_STRATEGY_TWO_STREAM;
 }
@@ -203,7 +209,7 @@ flashnorm_status flashnorm_matmul(flashnorm_context* context, flashnorm_problem 
     {
         FLASHNORM_CHECK(context,
             flashnorm::launch_fused(problem->dtype, x, w, problem->m, problem->k, problem->n, problem->eps, splits,
-                context->sm_count, context->fused_cluster_size, stream));
+                context->sm_count, context->fused_tuning, stream));
         return FLASHNORM_STATUS_OK;
     }
     size_t const needed = workspace_bytes_for(*problem);
@@ -238,6 +244,23 @@ void flashnorm_testing_set_side_delay(flashnorm_context* context, int64_t cycles
 {
     if (context != nullptr)
         context->side_delay_cycles = cycles < 0 ? 0 : cycles;
+}
+
+flashnorm_status flashnorm_testing_set_fused_tuning(
+    flashnorm_context* context, int32_t strip_cols, int32_t cluster_size)
+{
+    if (context == nullptr)
+        return FLASHNORM_STATUS_INVALID_ARGUMENT;
+    bool const strip_ok = strip_cols == 0 || strip_cols == 32 || strip_cols == 128;
+    bool const cluster_ok = cluster_size == 0 || cluster_size == 1 || cluster_size == 2 || cluster_size == 4
+        || cluster_size == 8;
+    if (!strip_ok || !cluster_ok)
+        return flashnorm::record_error(context, FLASHNORM_STATUS_INVALID_ARGUMENT,
+            "flashnorm_testing_set_fused_tuning", "strip_cols must be 0, 32 or 128 and cluster_size 0, 1, 2, 4 or 8",
+            "tuning");
+    context->fused_tuning.strip_cols = strip_cols;
+    context->fused_tuning.cluster_size = cluster_size;
+    return FLASHNORM_STATUS_OK;
 }
 
 int flashnorm_testing_join_dropped(void)

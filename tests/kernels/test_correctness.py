@@ -61,6 +61,16 @@ def test_matches_float64_reference(m, dtype, strategy, rng):
         )
 
 
+def assert_fused_matches_reference(kernels, generator, m, k, splits, dtype, label: str = "") -> None:
+    """One fused call on fresh random inputs into NaN-poisoned outputs, against float64."""
+    x, w = random_inputs(generator, m, k, sum(splits), dtype)
+    outputs = [torch.full((m, size), float("nan"), dtype=dtype, device="cuda") for size in splits]
+    kernels.flashnorm_matmul(x, w, 1e-5, splits=splits, strategy="fused", out=outputs)
+    for got, wanted in zip(outputs, torch.split(reference(x, w, 1e-5), splits, dim=-1)):
+        worst = row_errors(got, wanted).max().item()
+        assert worst <= TOLERANCE[dtype], f"{label} m={m} k={k} splits={splits} {dtype}: worst row error {worst:.3g}"
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("m", [1, 7, 16, 33])
@@ -70,13 +80,27 @@ def test_fused_long_k_and_wide_n(m, dtype, rng):
     kernels = kernels_module()
     generator = generator_from(rng)
     for k, splits in [(4096, [8192]), (2050, [4104, 4096]), (1040, [40000])]:
-        x, w = random_inputs(generator, m, k, sum(splits), dtype)
-        outputs = [torch.full((m, size), float("nan"), dtype=dtype, device="cuda") for size in splits]
-        kernels.flashnorm_matmul(x, w, 1e-5, splits=splits, strategy="fused", out=outputs)
-        expected = reference(x, w, 1e-5)
-        for got, wanted in zip(outputs, torch.split(expected, splits, dim=-1)):
-            worst = row_errors(got, wanted).max().item()
-            assert worst <= TOLERANCE[dtype], f"m={m} k={k} splits={splits} {dtype}: worst row error {worst:.3g}"
+        assert_fused_matches_reference(kernels, generator, m, k, splits, dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cluster_size", [1, 2, 4, 8])
+@pytest.mark.parametrize("strip_cols", [32, 128])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_fused_every_strip_and_cluster(dtype, strip_cols, cluster_size, rng):
+    """Every tensor-core layout the automatic choice may pick, forced: N not a multiple of the
+    strip, K tails, one and two token groups, and a K long enough that each warp's copy ring wraps."""
+    kernels = kernels_module()
+    generator = generator_from(rng)
+    kernels.set_fused_tuning(strip_cols, cluster_size)
+    try:
+        for m in (1, 5, 9, 16):
+            for k, splits in [(264, [40, 8, 16, 24]), (130, [24, 72]), (2050, [4104, 8])]:
+                assert_fused_matches_reference(
+                    kernels, generator, m, k, splits, dtype, f"strip={strip_cols} cluster={cluster_size}"
+                )
+    finally:
+        kernels.set_fused_tuning(0, 0)
 
 
 @pytest.mark.gpu
@@ -99,6 +123,53 @@ def test_misaligned_outputs(dtype, strategy, rng):
     for got, wanted in zip(outputs, torch.split(expected, splits, dim=-1)):
         worst = row_errors(got, wanted).max().item()
         assert worst <= TOLERANCE[dtype], f"{dtype} {strategy}: worst row error {worst:.3g}"
+
+
+# Output placements in one poisoned buffer: (first output's element, elements left between one
+# output's end and the next one's start), outputs in split order; None: in reverse order.
+PLACEMENTS = {
+    "ascending": (0, [64, 64]),
+    "ascending-unaligned": (1, [5, 5]),
+    "touching": (0, [0, 0]),
+    "uneven-gaps": (0, [8, 24]),
+    "descending": None,
+}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("placement", list(PLACEMENTS))
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("splits", [[96, 96], [64, 32, 32], [48, 48, 48]], ids=str)
+def test_prenorm_equal_splits_in_any_memory_order(splits, dtype, placement, rng):
+    """Prenorm runs consecutive equal-width splits as one pointer-array batched GEMM, whatever
+    the placement of their outputs: each output must be right and nothing between or around them
+    written."""
+    kernels = kernels_module()
+    generator = generator_from(rng)
+    m, k = 37, 200
+    x, w = random_inputs(generator, m, k, sum(splits), dtype)
+    sizes = [m * width for width in splits]
+    storage = torch.full((sum(sizes) + 64 * len(splits) + 64,), float("nan"), dtype=dtype, device="cuda")
+    starts = []
+    if PLACEMENTS[placement] is None:
+        start = storage.numel() - 8
+        for size in sizes:
+            start -= size + 8
+            starts.append(start)
+    else:
+        start, gaps = PLACEMENTS[placement]
+        for size, gap in zip(sizes, gaps + [0]):
+            starts.append(start)
+            start += size + gap
+    outputs = [storage[begin : begin + size].view(m, width) for begin, size, width in zip(starts, sizes, splits)]
+    kernels.flashnorm_matmul(x, w, 1e-5, splits=splits, strategy="prenorm", out=outputs)
+    for got, wanted in zip(outputs, torch.split(prenorm_reference(x, w, 1e-5), splits, dim=-1)):
+        worst = row_errors(got, wanted).max().item()
+        assert worst <= TOLERANCE[dtype], f"{placement} {splits} {dtype}: worst row error {worst:.3g}"
+    written = torch.zeros(storage.numel(), dtype=torch.bool, device="cuda")
+    for begin, size in zip(starts, sizes):
+        written[begin : begin + size] = True
+    assert storage[~written].isnan().all(), f"{placement} {splits} {dtype}: wrote outside the outputs"
 
 
 @pytest.mark.gpu
@@ -129,6 +200,17 @@ def test_leading_dimensions_and_allocated_outputs(rng):
     assert q.shape == (2, 3, 64) and kv.shape == (2, 3, 32)
     expected = reference(x.reshape(6, 256), w, 1e-5)
     assert row_errors(torch.cat([q, kv], dim=-1).reshape(6, 96), expected).max().item() <= TOLERANCE[torch.bfloat16]
+
+
+@pytest.mark.gpu
+def test_fused_tuning_rejects_unknown_layouts():
+    from flashnorm.errors import FlashNormError
+
+    kernels = kernels_module()
+    with pytest.raises(FlashNormError, match="strip_cols must be"):
+        kernels.set_fused_tuning(64, 1)
+    with pytest.raises(FlashNormError, match="cluster_size"):
+        kernels.set_fused_tuning(16, 3)
 
 
 def test_rejects_bad_arguments_before_the_library():

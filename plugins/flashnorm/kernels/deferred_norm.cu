@@ -12,9 +12,9 @@ constexpr int kPostScaleThreads = 256;
 constexpr int kPostScaleVec = 4;   // columns per thread
 constexpr int kMaxGridY = 65535;
 
-// Test hook: spins `cycles` GPU clock cycles, so that work ordered after the caller's results
-// (but not after this) runs first and reads whatever its buffers held before.
-__device__ __forceinline__ void spin(int64_t cycles)
+// Test hook: spins `cycles` GPU clock cycles, so that the side stream's work after it finishes
+// late and anything not ordered after it reads whatever its buffers held before.
+__global__ void delay_kernel(int64_t cycles)
 {
     long long const start = clock64();
     while (clock64() - start < cycles)
@@ -22,52 +22,15 @@ __device__ __forceinline__ void spin(int64_t cycles)
     }
 }
 
-__global__ void delay_kernel(int64_t cycles)
-{
-    spin(cycles);
-}
-
 template <typename T>
 __global__ void __launch_bounds__(kRmsRowsPerBlock * 32)
-    inv_rms_kernel(T const* __restrict__ x, int64_t m, int64_t k, float eps, float* __restrict__ inv_rms,
-        int64_t delay_cycles)
+    inv_rms_kernel(T const* __restrict__ x, int64_t m, int64_t k, float eps, float* __restrict__ inv_rms)
 {
     constexpr int kVec = 16 / sizeof(T);
     int const lane = threadIdx.x & 31;
     int64_t const row = int64_t(blockIdx.x) * kRmsRowsPerBlock + (threadIdx.x >> 5);
-    float sum = 0.f;
-    if (row < m)
-    {
-        T const* x_row = x + row * k;
-        bool const vectorized = (k % kVec == 0) && (reinterpret_cast<uintptr_t>(x) % 16 == 0);
-        if (vectorized)
-        {
-            for (int64_t i = lane; i < k / kVec; i += 32)
-            {
-                uint4 const packed = __ldg(reinterpret_cast<uint4 const*>(x_row) + i);
-                T const* elements = reinterpret_cast<T const*>(&packed);
-#pragma unroll
-                for (int j = 0; j < kVec; ++j)
-                {
-                    float const v = to_float(elements[j]);
-                    sum += v * v;
-                }
-            }
-        }
-        else
-        {
-            for (int64_t i = lane; i < k; i += 32)
-            {
-                float const v = to_float(x_row[i]);
-                sum += v * v;
-            }
-        }
-    }
-    sum = warp_sum(sum);
-    if (delay_cycles > 0)
-    {
-        spin(delay_cycles); // a post-scale not ordered after this kernel would read a stale buffer
-    }
+    bool const vectorized = (k % kVec == 0) && (reinterpret_cast<uintptr_t>(x) % 16 == 0);
+    float const sum = warp_sum(row < m ? row_square_sum(x + row * k, k, lane, 32, vectorized) : 0.f);
     if (row < m && lane == 0)
     {
         inv_rms[row] = rsqrtf(sum / float(k) + eps);
@@ -123,12 +86,10 @@ __global__ void __launch_bounds__(kPostScaleThreads)
 }
 
 template <typename T>
-cudaError_t launch_inv_rms_typed(
-    void const* x, int64_t m, int64_t k, float eps, float* inv_rms, int64_t delay_cycles, cudaStream_t stream)
+cudaError_t launch_inv_rms_typed(void const* x, int64_t m, int64_t k, float eps, float* inv_rms, cudaStream_t stream)
 {
     dim3 const grid(static_cast<unsigned>((m + kRmsRowsPerBlock - 1) / kRmsRowsPerBlock));
-    inv_rms_kernel<T><<<grid, kRmsRowsPerBlock * 32, 0, stream>>>(
-        static_cast<T const*>(x), m, k, eps, inv_rms, delay_cycles);
+    inv_rms_kernel<T><<<grid, kRmsRowsPerBlock * 32, 0, stream>>>(static_cast<T const*>(x), m, k, eps, inv_rms);
     return cudaGetLastError();
 }
 
@@ -157,15 +118,14 @@ cudaError_t launch_post_scale_typed(
 
 } // namespace
 
-cudaError_t launch_inv_rms(flashnorm_dtype dtype, void const* x, int64_t m, int64_t k, float eps, float* inv_rms,
-    int64_t delay_cycles, cudaStream_t stream)
+cudaError_t launch_inv_rms(
+    flashnorm_dtype dtype, void const* x, int64_t m, int64_t k, float eps, float* inv_rms, cudaStream_t stream)
 {
     switch (dtype)
     {
-    case FLASHNORM_DTYPE_F32: return launch_inv_rms_typed<float>(x, m, k, eps, inv_rms, delay_cycles, stream);
-    case FLASHNORM_DTYPE_F16: return launch_inv_rms_typed<__half>(x, m, k, eps, inv_rms, delay_cycles, stream);
-    case FLASHNORM_DTYPE_BF16:
-        return launch_inv_rms_typed<__nv_bfloat16>(x, m, k, eps, inv_rms, delay_cycles, stream);
+    case FLASHNORM_DTYPE_F32: return launch_inv_rms_typed<float>(x, m, k, eps, inv_rms, stream);
+    case FLASHNORM_DTYPE_F16: return launch_inv_rms_typed<__half>(x, m, k, eps, inv_rms, stream);
+    case FLASHNORM_DTYPE_BF16: return launch_inv_rms_typed<__nv_bfloat16>(x, m, k, eps, inv_rms, stream);
     }
     return cudaErrorInvalidValue;
 }

@@ -52,6 +52,60 @@ __device__ __forceinline__ float warp_sum(float v)
     return v;
 }
 
+// Sum of squares (fp32) of the 16 / sizeof(T) elements packed in one 16-byte vector.
+template <typename T>
+__device__ __forceinline__ float square_sum(uint4 const& packed)
+{
+    T const* elements = reinterpret_cast<T const*>(&packed);
+    float sum = 0.f;
+#pragma unroll
+    for (int e = 0; e < int(16 / sizeof(T)); ++e)
+    {
+        float const v = to_float(elements[e]);
+        sum += v * v;
+    }
+    return sum;
+}
+
+// One 16-byte vector of T, each element times `scale` in fp32 and rounded once.
+template <typename T>
+__device__ __forceinline__ uint4 scaled(uint4 const& packed, float scale)
+{
+    T const* elements = reinterpret_cast<T const*>(&packed);
+    uint4 out;
+    T* values = reinterpret_cast<T*>(&out);
+#pragma unroll
+    for (int e = 0; e < int(16 / sizeof(T)); ++e)
+    {
+        values[e] = from_float<T>(to_float(elements[e]) * scale);
+    }
+    return out;
+}
+
+// This thread's share of sum(row²): elements first, first + stride, ... of a K-long row, read as
+// 16-byte vectors where `vectorized` (K a multiple of the vector, the row 16-byte aligned).
+template <typename T>
+__device__ __forceinline__ float row_square_sum(T const* row, int64_t k, int64_t first, int64_t stride, bool vectorized)
+{
+    float sum = 0.f;
+    if (vectorized)
+    {
+        for (int64_t i = first; i < k / int64_t(16 / sizeof(T)); i += stride)
+        {
+            sum += square_sum<T>(__ldg(reinterpret_cast<uint4 const*>(row) + i));
+        }
+    }
+    else
+    {
+        for (int64_t i = first; i < k; i += stride)
+        {
+            float const v = to_float(row[i]);
+            sum += v * v;
+        }
+    }
+    return sum;
+}
+
 // Index of the output that receives global column `col` (splits are few: a linear scan).
 __device__ __forceinline__ int split_of(OutputSplits const& splits, int64_t col)
 {

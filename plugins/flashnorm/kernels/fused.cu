@@ -5,12 +5,12 @@
 // Two kernels:
 //  * fused_mma_kernel (fp16/bf16, N % 8 == 0, K even): tensor cores (mma.sync m16n8k16, fp32
 //    accumulators) on the transposed product, W*ᵀ as the mma's 16-row side and up to 16 tokens as
-//    its 8-wide side, so decode wastes no mma rows. Each warp streams whole 256-byte row pieces of
-//    W* (as a GEMV reads) and its x fragments through a cp.async ring into swizzled shared memory,
-//    and ldmatrix.trans hands W* to the mma in its A layout. A 128-column strip is owned by one
-//    thread-block cluster (Hopper): its blocks split K, and their partial sums meet in distributed
-//    shared memory, so there is still one launch and no global scratch. The cluster size follows
-//    the number of strips (pick_cluster_size).
+//    its 8-wide side, so decode wastes no mma rows. Each warp streams whole row pieces of W* (256
+//    or 64 bytes, as a GEMV reads) and its x fragments through a cp.async ring into swizzled shared
+//    memory, and ldmatrix.trans hands W* to the mma in its A layout. A strip of 128 columns (32 on
+//    a small W*: pick_strip_cols) is owned by one thread-block cluster (Hopper): its blocks split
+//    K, and their partial sums meet in distributed shared memory, so there is still one launch and
+//    no global scratch. The cluster size follows the number of strips (pick_cluster_size).
 //  * fused_generic_kernel (fp32, and any K or N): CUDA cores, one column per lane, x staged in
 //    shared memory; fp32 stays exact fp32 arithmetic (no TF32). A correctness fallback: AUTO
 //    never picks it (see capi.cpp).
@@ -39,37 +39,56 @@ constexpr int64_t kMaxGridY = 65535;
 constexpr int kMmaWarps = 4;
 constexpr int kMmaThreads = kMmaWarps * 32;
 constexpr int kMmaBlocksPerSm = 3;      // resident blocks per multiprocessor (shared memory bound)
-constexpr int kStripCols = 128;         // columns a cluster owns: 256 contiguous bytes of each W* row
-constexpr int kStripTiles = kStripCols / 16;
 constexpr int kStepRows = 16;           // rows of W* (k) per mma step
-constexpr int kRowChunks = kStripCols * 2 / 16; // 16-byte pieces of one strip row
-constexpr int kStages = 4;              // mma steps in flight per warp (cp.async groups)
 constexpr int kTokenGroupRows = 8;      // the mma's N: tokens per B operand
 constexpr int kMaxTokenGroups = 2;      // 16 rows of x per pass
 constexpr int kMaxPassRows = kTokenGroupRows * kMaxTokenGroups;
 constexpr int kMaxCluster = 8;          // the portable cluster-size limit
-constexpr int kPartialStride = kStripCols + 4; // +4 floats: conflict-free accumulator dump
 
-// One warp's share of one pipeline stage: 16 rows × 128 columns of W* and the B fragments of x.
-struct MmaStage
+// A strip is the columns one cluster owns. Wide strips (128 columns: 256 contiguous bytes of each
+// W* row) read W* as a GEMV does; narrow ones (32 columns) give a small W* four times the strips,
+// so its few steps of K spread over more multiprocessors, with a deeper ring per warp.
+template <int StripCols, int Stages>
+struct MmaLayout
 {
-    uint4 w[kStepRows][kRowChunks];                  // piece c of row r sits at c ^ (r % 8)
-    uint32_t x[kMaxTokenGroups][2][32];              // per lane: the pair of k for b0 and for b1
-};
+    static_assert(StripCols % 16 == 0 && StripCols <= 128, "a strip is whole 16-column mma tiles");
+    static constexpr int kStripCols = StripCols;
+    static constexpr int kStages = Stages;                   // mma steps in flight per warp
+    static constexpr int kStripTiles = StripCols / 16;
+    static constexpr int kRowChunks = StripCols * 2 / 16;    // 16-byte pieces of one strip row
+    static constexpr int kCopyRowStride = 32 / kRowChunks;  // rows one copy instruction of a warp covers
+    static constexpr int kPartialStride = StripCols + 4;     // +4 floats: conflict-free accumulator dump
 
-// After the main loop the pipeline buffers hold the warps' and the block's sums instead.
-struct MmaPartials
-{
-    float warp_sum[kMmaWarps][kMaxPassRows][kPartialStride];
-    float block_sum[kMaxPassRows * kStripCols]; // this block's share of K, read by the whole cluster
-};
+    // Piece c of row r sits at c ^ swizzle(r): the 8 rows one ldmatrix phase reads then fall in
+    // 8 different 16-byte bank groups whatever the row length.
+    static __device__ __forceinline__ int piece_slot(int r, int c)
+    {
+        constexpr int rows_per_cycle = kRowChunks >= 8 ? 1 : 8 / kRowChunks;
+        constexpr int pieces = kRowChunks >= 8 ? 8 : kRowChunks;
+        return c ^ ((r / rows_per_cycle) % pieces);
+    }
 
-constexpr size_t kMmaSharedBytes = sizeof(MmaStage) * kStages * kMmaWarps > sizeof(MmaPartials)
-    ? sizeof(MmaStage) * kStages * kMmaWarps
-    : sizeof(MmaPartials);
-// 1 KB per block is reserved by the hardware; 227 KB is an sm_90 multiprocessor's shared memory.
-static_assert(kMmaBlocksPerSm * (kMmaSharedBytes + 1024 + 1024) <= 227 * 1024,
-    "the fused kernel's shared memory must leave room for kMmaBlocksPerSm blocks per multiprocessor");
+    // One warp's share of one pipeline stage: 16 rows of the strip of W* and the B fragments of x.
+    struct Stage
+    {
+        uint4 w[kStepRows][kRowChunks];
+        uint32_t x[kMaxTokenGroups][2][32]; // per lane: the pair of k for b0 and for b1
+    };
+
+    // After the main loop the pipeline buffers hold the warps' and the block's sums instead.
+    struct Partials
+    {
+        float warp_sum[kMmaWarps][kMaxPassRows][kPartialStride];
+        float block_sum[kMaxPassRows * StripCols]; // this block's share of K, read by the whole cluster
+    };
+
+    static constexpr size_t kSharedBytes = sizeof(Stage) * Stages * kMmaWarps > sizeof(Partials)
+        ? sizeof(Stage) * Stages * kMmaWarps
+        : sizeof(Partials);
+    // 1 KB per block is reserved by the hardware; 227 KB is an sm_90 multiprocessor's shared memory.
+    static_assert(kMmaBlocksPerSm * (kSharedBytes + 1024 + 1024) <= 227 * 1024,
+        "the fused kernel's shared memory must leave room for kMmaBlocksPerSm blocks per multiprocessor");
+};
 
 // Asynchronous global→shared copies; `size` 0 copies nothing and zero-fills (out-of-range data).
 __device__ __forceinline__ void copy_async_16(void* shared, void const* global, bool valid)
@@ -140,17 +159,23 @@ __device__ __forceinline__ float square_sum_pair(uint32_t pair)
     return a * a + b * b;
 }
 
-// A cluster owns a strip of kStripCols columns; the warps of its blocks split K between them in
-// mma steps of 16 rows (warp g of the cluster takes steps g, g + warps, ...). Each warp streams its
-// 4 KB per step of W* (whole 256-byte row pieces, as a GEMV reads) and its x fragments through a
-// kStages-deep cp.async ring: the copies hold no registers, so kStages - 1 steps stay in flight
-// while one is computed. TokenGroups (1 or 2) B operands of 8 tokens cover up to 16 rows of x.
-template <typename T, int TokenGroups>
+// A cluster owns a strip of Layout::kStripCols columns; the warps of its blocks split K between
+// them in mma steps of 16 rows (warp g of the cluster takes steps g, g + warps, ...). Each warp
+// streams its 16 rows of the strip per step (whole row pieces of up to 256 bytes, as a GEMV reads)
+// and its x fragments through a Layout::kStages-deep cp.async ring: the copies hold no registers,
+// so kStages - 1 steps stay in flight while one is computed. TokenGroups (1 or 2) B operands of
+// 8 tokens cover up to 16 rows of x.
+template <typename T, int TokenGroups, typename Layout>
 __global__ void __launch_bounds__(kMmaThreads, kMmaBlocksPerSm)
     fused_mma_kernel(T const* __restrict__ x, T const* __restrict__ w, int64_t m, int64_t k, int64_t n, float eps,
         OutputSplits splits)
 {
     constexpr int kPassRows = kTokenGroupRows * TokenGroups;
+    constexpr int kStripCols = Layout::kStripCols;
+    constexpr int kStripTiles = Layout::kStripTiles;
+    constexpr int kRowChunks = Layout::kRowChunks;
+    constexpr int kStages = Layout::kStages;
+    using Stage = typename Layout::Stage;
     extern __shared__ __align__(128) unsigned char shared[];
     __shared__ float partial_ssq[kMmaWarps][kPassRows];
     __shared__ float block_ssq[kPassRows];
@@ -186,16 +211,16 @@ __global__ void __launch_bounds__(kMmaThreads, kMmaBlocksPerSm)
     int64_t const first = int64_t(rank) * kMmaWarps + warp;
     int64_t const warp_stride = int64_t(ranks) * kMmaWarps;
     int64_t const my_steps = first < steps ? (steps - 1 - first) / warp_stride + 1 : 0;
-    MmaStage* const stages = reinterpret_cast<MmaStage*>(shared) + warp * kStages;
+    Stage* const stages = reinterpret_cast<Stage*>(shared) + warp * kStages;
 
-    auto issue = [&](int64_t index, MmaStage& stage) {
+    auto issue = [&](int64_t index, Stage& stage) {
         int64_t const k0 = (first + index * warp_stride) * kStepRows;
 #pragma unroll
-        for (int r = copy_row; r < kStepRows; r += 32 / kRowChunks)
+        for (int r = copy_row; r < kStepRows; r += Layout::kCopyRowStride)
         {
             int64_t const w_row = k0 + r;
             bool const ok = chunk_ok && w_row < k;
-            copy_async_16(&stage.w[r][chunk ^ (r % 8)], ok ? w + w_row * n + col0 + 8 * chunk : w, ok);
+            copy_async_16(&stage.w[r][Layout::piece_slot(r, chunk)], ok ? w + w_row * n + col0 + 8 * chunk : w, ok);
         }
 #pragma unroll
         for (int g = 0; g < TokenGroups; ++g)
@@ -231,7 +256,7 @@ __global__ void __launch_bounds__(kMmaThreads, kMmaBlocksPerSm)
         copy_async_commit();
         copy_async_wait<kStages - 1>(); // this lane's copies of this step have landed
         __syncwarp();                   // ... and the other lanes' too, visible to this lane
-        MmaStage const& stage = stages[index % kStages];
+        Stage const& stage = stages[index % kStages];
         uint32_t b[TokenGroups][2];
 #pragma unroll
         for (int g = 0; g < TokenGroups; ++g)
@@ -246,7 +271,7 @@ __global__ void __launch_bounds__(kMmaThreads, kMmaBlocksPerSm)
         {
             int const piece = 2 * tile + matrix_chunk;
             uint32_t a[4];
-            load_matrix_x4_trans(a, &stage.w[matrix_row][piece ^ (matrix_row % 8)]);
+            load_matrix_x4_trans(a, &stage.w[matrix_row][Layout::piece_slot(matrix_row, piece)]);
 #pragma unroll
             for (int g = 0; g < TokenGroups; ++g)
             {
@@ -265,7 +290,7 @@ __global__ void __launch_bounds__(kMmaThreads, kMmaBlocksPerSm)
             partial_ssq[warp][g * kTokenGroupRows + group] = ssq[g];
     }
     __syncthreads(); // every warp is done with its pipeline buffers
-    MmaPartials& partials = *reinterpret_cast<MmaPartials*>(shared);
+    auto& partials = *reinterpret_cast<typename Layout::Partials*>(shared);
 #pragma unroll
     for (int tile = 0; tile < kStripTiles; ++tile)
     {
@@ -473,11 +498,14 @@ cudaError_t launch_row_windows(int64_t m, int64_t rows_per_block, Launch const& 
     return cudaSuccess;
 }
 
-template <typename T, int TokenGroups>
+using WideStrip = MmaLayout<128, 4>;
+using NarrowStrip = MmaLayout<32, 8>;
+
+template <typename T, int TokenGroups, typename Layout>
 cudaError_t launch_mma(T const* x, T const* w, int64_t m, int64_t k, int64_t n, float eps,
     OutputSplits const& splits, int cluster_size, cudaStream_t stream)
 {
-    int64_t const strips = (n + kStripCols - 1) / kStripCols;
+    int64_t const strips = (n + Layout::kStripCols - 1) / Layout::kStripCols;
     int64_t const pass_rows = kTokenGroupRows * TokenGroups;
     return launch_row_windows(m, pass_rows, [&](int64_t row0, int64_t rows, unsigned blocks_y) {
         cudaLaunchAttribute cluster{};
@@ -488,17 +516,38 @@ cudaError_t launch_mma(T const* x, T const* w, int64_t m, int64_t k, int64_t n, 
         cudaLaunchConfig_t config{};
         config.gridDim = dim3(static_cast<unsigned>(strips * cluster_size), blocks_y);
         config.blockDim = dim3(kMmaThreads);
-        config.dynamicSmemBytes = kMmaSharedBytes;
+        config.dynamicSmemBytes = Layout::kSharedBytes;
         config.stream = stream;
         config.attrs = &cluster;
         config.numAttrs = 1;
         // launch_row_windows reads the launch's error through cudaGetLastError.
-        static_cast<void>(cudaLaunchKernelEx(&config, fused_mma_kernel<T, TokenGroups>, x + row0 * k, w, rows, k,
-            n, eps, shifted<T>(splits, row0)));
+        static_cast<void>(cudaLaunchKernelEx(&config, fused_mma_kernel<T, TokenGroups, Layout>, x + row0 * k, w,
+            rows, k, n, eps, shifted<T>(splits, row0)));
     });
 }
 
-// Blocks per 128-column strip (the cluster size). Measured on an H200 (bf16, W* from HBM, M = 1/4/16,
+template <typename T, typename Layout>
+cudaError_t launch_mma_rows(T const* x, T const* w, int64_t m, int64_t k, int64_t n, float eps,
+    OutputSplits const& splits, int cluster_size, cudaStream_t stream)
+{
+    // One B operand (8 tokens) where it covers M: half the mma work and accumulators of two.
+    if (m <= kTokenGroupRows)
+        return launch_mma<T, 1, Layout>(x, w, m, k, n, eps, splits, cluster_size, stream);
+    return launch_mma<T, 2, Layout>(x, w, m, k, n, eps, splits, cluster_size, stream);
+}
+
+// Columns per strip. Measured on an H200 (bf16, W* from HBM, M = 1/4/16, forced widths 16/32/128;
+// plugins/flashnorm/kernels/NOTES.md): 32-column strips win where W* is small (576×960: 4.38 vs
+// 4.67 µs at M = 1, 4.61 vs 5.43 at M = 16; 576×3072: 5.02 vs 5.21 and 6.02 vs 6.58) and lose from
+// 2048×3072 up (7.69 vs 7.41 at M = 1): there the wide strips' 256-byte row pieces read HBM better.
+// 16-column strips never won (576×960: 4.63 at best).
+int pick_strip_cols(int64_t k, int64_t n)
+{
+    constexpr int64_t kNarrowMaxWeightElements = int64_t(1) << 21;
+    return k * n <= kNarrowMaxWeightElements ? NarrowStrip::kStripCols : WideStrip::kStripCols;
+}
+
+// Blocks per strip (the cluster size). Measured on an H200 (bf16, W* from HBM, M = 1/4/16,
 // forced sizes 1/2/4/8; plugins/flashnorm/kernels/NOTES.md): the best size keeps the grid within
 // two blocks per multiprocessor and is at most 4 (576×3072: 5.2 µs at 4 vs 5.3 at 8; 2048×16384:
 // 20.3 at 2 vs 21.2 at 1 and 26.3 at 4; 4096×6144: 16.8 at 4 vs 22.3 at 8; 4096×28672: 61.5 at 1),
@@ -545,35 +594,45 @@ cudaError_t launch_generic_rows(T const* x, T const* w, int64_t m, int64_t k, in
 
 template <typename T>
 cudaError_t launch_fused_16bit(T const* x, T const* w, int64_t m, int64_t k, int64_t n, float eps,
-    OutputSplits const& splits, int sm_count, int cluster_size, cudaStream_t stream)
+    OutputSplits const& splits, int sm_count, FusedTuning const& tuning, cudaStream_t stream)
 {
     if (!fused_tensor_core_shape(k, n) || reinterpret_cast<uintptr_t>(w) % 16 != 0
         || reinterpret_cast<uintptr_t>(x) % 4 != 0)
     {
         return launch_generic_rows<T>(x, w, m, k, n, eps, splits, stream);
     }
-    int64_t const strips = (n + kStripCols - 1) / kStripCols;
-    int const size = cluster_size > 0 ? cluster_size : pick_cluster_size(strips, sm_count);
-    // One B operand (8 tokens) where it covers M: half the mma work and accumulators of two.
-    if (m <= kTokenGroupRows)
-        return launch_mma<T, 1>(x, w, m, k, n, eps, splits, size, stream);
-    return launch_mma<T, 2>(x, w, m, k, n, eps, splits, size, stream);
+    int const strip_cols = tuning.strip_cols > 0 ? tuning.strip_cols : pick_strip_cols(k, n);
+    int64_t const strips = (n + strip_cols - 1) / strip_cols;
+    int const size = tuning.cluster_size > 0 ? tuning.cluster_size : pick_cluster_size(strips, sm_count);
+    if (strip_cols == NarrowStrip::kStripCols)
+        return launch_mma_rows<T, NarrowStrip>(x, w, m, k, n, eps, splits, size, stream);
+    return launch_mma_rows<T, WideStrip>(x, w, m, k, n, eps, splits, size, stream);
 }
 
-template <typename T, int TokenGroups>
+template <typename T, typename Layout>
 cudaError_t allow_mma_shared_memory()
 {
-    return cudaFuncSetAttribute(fused_mma_kernel<T, TokenGroups>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-        static_cast<int>(kMmaSharedBytes));
+    // Above 48 KB a kernel's dynamic shared memory must be allowed explicitly, per device.
+    int const bytes = static_cast<int>(Layout::kSharedBytes);
+    for (cudaError_t const status :
+        {cudaFuncSetAttribute(fused_mma_kernel<T, 1, Layout>, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes),
+            cudaFuncSetAttribute(fused_mma_kernel<T, 2, Layout>, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes)})
+    {
+        if (status != cudaSuccess)
+        {
+            return status;
+        }
+    }
+    return cudaSuccess;
 }
 
 } // namespace
 
 cudaError_t configure_fused_kernels()
 {
-    // Above 48 KB a kernel's dynamic shared memory must be allowed explicitly, per device.
-    for (cudaError_t const status : {allow_mma_shared_memory<__half, 1>(), allow_mma_shared_memory<__half, 2>(),
-             allow_mma_shared_memory<__nv_bfloat16, 1>(), allow_mma_shared_memory<__nv_bfloat16, 2>()})
+    for (cudaError_t const status : {allow_mma_shared_memory<__half, WideStrip>(),
+             allow_mma_shared_memory<__half, NarrowStrip>(), allow_mma_shared_memory<__nv_bfloat16, WideStrip>(),
+             allow_mma_shared_memory<__nv_bfloat16, NarrowStrip>()})
     {
         if (status != cudaSuccess)
         {
@@ -584,7 +643,7 @@ cudaError_t configure_fused_kernels()
 }
 
 cudaError_t launch_fused(flashnorm_dtype dtype, void const* x, void const* w, int64_t m, int64_t k, int64_t n,
-    float eps, OutputSplits const& splits, int sm_count, int cluster_size, cudaStream_t stream)
+    float eps, OutputSplits const& splits, int sm_count, FusedTuning const& tuning, cudaStream_t stream)
 {
     switch (dtype)
     {
@@ -593,10 +652,10 @@ cudaError_t launch_fused(flashnorm_dtype dtype, void const* x, void const* w, in
             static_cast<float const*>(x), static_cast<float const*>(w), m, k, n, eps, splits, stream);
     case FLASHNORM_DTYPE_F16:
         return launch_fused_16bit<__half>(static_cast<__half const*>(x), static_cast<__half const*>(w), m, k, n, eps,
-            splits, sm_count, cluster_size, stream);
+            splits, sm_count, tuning, stream);
     case FLASHNORM_DTYPE_BF16:
         return launch_fused_16bit<__nv_bfloat16>(static_cast<__nv_bfloat16 const*>(x),
-            static_cast<__nv_bfloat16 const*>(w), m, k, n, eps, splits, sm_count, cluster_size, stream);
+            static_cast<__nv_bfloat16 const*>(w), m, k, n, eps, splits, sm_count, tuning, stream);
     }
     return cudaErrorInvalidValue;
 }

@@ -20,12 +20,11 @@ struct OutputSplits
 };
 
 // inv_rms[m] = rsqrt(mean(x[m, :]²) + eps) in fp32, for the two-stream strategy's side stream.
-// delay_cycles > 0 (tests only) makes every block spin that long before it writes.
-cudaError_t launch_inv_rms(flashnorm_dtype dtype, void const* x, int64_t m, int64_t k, float eps, float* inv_rms,
-    int64_t delay_cycles, cudaStream_t stream);
+cudaError_t launch_inv_rms(
+    flashnorm_dtype dtype, void const* x, int64_t m, int64_t k, float eps, float* inv_rms, cudaStream_t stream);
 
-// Test hook: one thread spins `cycles` GPU clock cycles on `stream` (the prenorm side stream's
-// stand-in for a slow GEMM).
+// Test hook: one thread spins `cycles` GPU clock cycles on `stream`, holding back the side
+// stream's work after it (a slow reduction or GEMM).
 cudaError_t launch_delay(int64_t cycles, cudaStream_t stream);
 
 // outputs[i][r, c] = product[r, offsets[i] + c] * inv_rms[r]. `product` is the GEMM result
@@ -33,10 +32,20 @@ cudaError_t launch_delay(int64_t cycles, cudaStream_t stream);
 cudaError_t launch_post_scale(flashnorm_dtype dtype, flashnorm_dtype product_dtype, void const* product,
     float const* inv_rms, int64_t m, int64_t n, OutputSplits const& splits, cudaStream_t stream);
 
+// Device arrays of pointers for cuBLASLt's pointer-array batched GEMMs: `count` values copied to
+// `destination` by the normalize kernel before it runs (kernel arguments are captured by value,
+// so a CUDA graph replays the same pointers).
+struct PointerTable
+{
+    void const* values[3 * FLASHNORM_MAX_OUTPUTS];
+    void const** destination;
+    int32_t count;
+};
+
 // normalized[m, :] = x[m, :] * rsqrt(mean(x[m, :]²) + eps): fp32 math, stored in `dtype` (the
-// prenorm strategy's input to its library GEMMs). `normalized` is [m, k] row-major.
-cudaError_t launch_normalize_rows(
-    flashnorm_dtype dtype, void const* x, void* normalized, int64_t m, int64_t k, float eps, cudaStream_t stream);
+// prenorm strategy's input to its library GEMMs). `normalized` is [m, k] row-major, m >= 1.
+cudaError_t launch_normalize_rows(flashnorm_dtype dtype, void const* x, void* normalized, int64_t m, int64_t k,
+    float eps, PointerTable const& pointers, cudaStream_t stream);
 
 // The type the two-stream GEMM writes its unscaled product in. fp16 widens to fp32 because the
 // unnormalized product can exceed fp16's range (65504) even when the normalized result does not;
@@ -46,11 +55,18 @@ inline flashnorm_dtype product_dtype(flashnorm_dtype dtype)
     return dtype == FLASHNORM_DTYPE_BF16 ? FLASHNORM_DTYPE_BF16 : FLASHNORM_DTYPE_F32;
 }
 
+// How the fused kernel's tensor-core grid is cut; 0 picks automatically. Forced values come from
+// flashnorm_testing_set_fused_tuning (tests and tuning runs).
+struct FusedTuning
+{
+    int strip_cols = 0;   // columns of W* per cluster: 32 or 128
+    int cluster_size = 0; // blocks per strip, splitting K: 1, 2, 4 or 8
+};
+
 // The fused decode kernel: one launch computes x·W*, sum(x²) and the scaled, split outputs.
-// `sm_count` (multiprocessors of the device) sizes the grid; `cluster_size` 0 picks the blocks per
-// column strip automatically, 1/2/4/8 forces it (tuning runs only).
+// `sm_count` (multiprocessors of the device) sizes the grid.
 cudaError_t launch_fused(flashnorm_dtype dtype, void const* x, void const* w, int64_t m, int64_t k, int64_t n,
-    float eps, OutputSplits const& splits, int sm_count, int cluster_size, cudaStream_t stream);
+    float eps, OutputSplits const& splits, int sm_count, FusedTuning const& tuning, cudaStream_t stream);
 
 // Sets the fused kernels' launch attributes on the current device: once, before any launch there
 // (flashnorm_context_create does it, outside any capture).

@@ -11,6 +11,7 @@ namespace
 constexpr int kNormalizeItems = 4;        // 16-byte vectors each thread keeps in registers
 constexpr int kNormalizeMaxThreads = 256; // one block per row
 constexpr int64_t kMaxGrid = int64_t(1) << 30;
+static_assert(3 * FLASHNORM_MAX_OUTPUTS <= 32, "the first warp of block 0 writes the whole pointer table");
 
 // One block per row (grid-stride). When the row fits in the block's registers (vectorized and
 // K ≤ kNormalizeItems·blockDim·vector width) every load is issued before the reduction and the
@@ -18,8 +19,12 @@ constexpr int64_t kMaxGrid = int64_t(1) << 30;
 template <typename T>
 __global__ void __launch_bounds__(kNormalizeMaxThreads)
     normalize_rows_kernel(T const* __restrict__ x, T* __restrict__ normalized, int64_t m, int64_t k, float eps,
-        bool vectorized)
+        bool vectorized, PointerTable pointers)
 {
+    if (blockIdx.x == 0 && threadIdx.x < pointers.count)
+    {
+        pointers.destination[threadIdx.x] = pointers.values[threadIdx.x];
+    }
     constexpr int kVec = 16 / sizeof(T);
     __shared__ float warp_sums[kNormalizeMaxThreads / 32];
     int const warps = blockDim.x / 32;
@@ -48,37 +53,13 @@ __global__ void __launch_bounds__(kNormalizeMaxThreads)
                 int64_t const i = threadIdx.x + int64_t(j) * blockDim.x;
                 if (i < vectors)
                 {
-                    T const* elements = reinterpret_cast<T const*>(&cached[j]);
-#pragma unroll
-                    for (int e = 0; e < kVec; ++e)
-                    {
-                        float const v = to_float(elements[e]);
-                        sum += v * v;
-                    }
-                }
-            }
-        }
-        else if (vectorized)
-        {
-            for (int64_t i = threadIdx.x; i < vectors; i += blockDim.x)
-            {
-                uint4 const packed = __ldg(reinterpret_cast<uint4 const*>(x_row) + i);
-                T const* elements = reinterpret_cast<T const*>(&packed);
-#pragma unroll
-                for (int e = 0; e < kVec; ++e)
-                {
-                    float const v = to_float(elements[e]);
-                    sum += v * v;
+                    sum += square_sum<T>(cached[j]);
                 }
             }
         }
         else
         {
-            for (int64_t i = threadIdx.x; i < k; i += blockDim.x)
-            {
-                float const v = to_float(x_row[i]);
-                sum += v * v;
-            }
+            sum = row_square_sum(x_row, k, threadIdx.x, blockDim.x, vectorized);
         }
 
         sum = warp_sum(sum);
@@ -104,15 +85,7 @@ __global__ void __launch_bounds__(kNormalizeMaxThreads)
                 int64_t const i = threadIdx.x + int64_t(j) * blockDim.x;
                 if (i < vectors)
                 {
-                    T const* elements = reinterpret_cast<T const*>(&cached[j]);
-                    uint4 packed;
-                    T* scaled = reinterpret_cast<T*>(&packed);
-#pragma unroll
-                    for (int e = 0; e < kVec; ++e)
-                    {
-                        scaled[e] = from_float<T>(to_float(elements[e]) * scale);
-                    }
-                    reinterpret_cast<uint4*>(out_row)[i] = packed;
+                    reinterpret_cast<uint4*>(out_row)[i] = scaled<T>(cached[j], scale);
                 }
             }
         }
@@ -120,16 +93,8 @@ __global__ void __launch_bounds__(kNormalizeMaxThreads)
         {
             for (int64_t i = threadIdx.x; i < vectors; i += blockDim.x)
             {
-                uint4 const in = __ldg(reinterpret_cast<uint4 const*>(x_row) + i);
-                T const* elements = reinterpret_cast<T const*>(&in);
-                uint4 packed;
-                T* scaled = reinterpret_cast<T*>(&packed);
-#pragma unroll
-                for (int e = 0; e < kVec; ++e)
-                {
-                    scaled[e] = from_float<T>(to_float(elements[e]) * scale);
-                }
-                reinterpret_cast<uint4*>(out_row)[i] = packed;
+                reinterpret_cast<uint4*>(out_row)[i]
+                    = scaled<T>(__ldg(reinterpret_cast<uint4 const*>(x_row) + i), scale);
             }
         }
         else
@@ -144,7 +109,7 @@ __global__ void __launch_bounds__(kNormalizeMaxThreads)
 
 template <typename T>
 cudaError_t launch_normalize_rows_typed(
-    void const* x, void* normalized, int64_t m, int64_t k, float eps, cudaStream_t stream)
+    void const* x, void* normalized, int64_t m, int64_t k, float eps, PointerTable const& pointers, cudaStream_t stream)
 {
     constexpr int kVec = 16 / sizeof(T);
     bool const vectorized = k % kVec == 0 && reinterpret_cast<uintptr_t>(x) % 16 == 0
@@ -156,20 +121,21 @@ cudaError_t launch_normalize_rows_typed(
         = static_cast<int>(wanted >= kNormalizeMaxThreads ? kNormalizeMaxThreads : (wanted + 31) / 32 * 32);
     dim3 const grid(static_cast<unsigned>(m < kMaxGrid ? m : kMaxGrid));
     normalize_rows_kernel<T><<<grid, threads, 0, stream>>>(
-        static_cast<T const*>(x), static_cast<T*>(normalized), m, k, eps, vectorized);
+        static_cast<T const*>(x), static_cast<T*>(normalized), m, k, eps, vectorized, pointers);
     return cudaGetLastError();
 }
 
 } // namespace
 
-cudaError_t launch_normalize_rows(
-    flashnorm_dtype dtype, void const* x, void* normalized, int64_t m, int64_t k, float eps, cudaStream_t stream)
+cudaError_t launch_normalize_rows(flashnorm_dtype dtype, void const* x, void* normalized, int64_t m, int64_t k,
+    float eps, PointerTable const& pointers, cudaStream_t stream)
 {
     switch (dtype)
     {
-    case FLASHNORM_DTYPE_F32: return launch_normalize_rows_typed<float>(x, normalized, m, k, eps, stream);
-    case FLASHNORM_DTYPE_F16: return launch_normalize_rows_typed<__half>(x, normalized, m, k, eps, stream);
-    case FLASHNORM_DTYPE_BF16: return launch_normalize_rows_typed<__nv_bfloat16>(x, normalized, m, k, eps, stream);
+    case FLASHNORM_DTYPE_F32: return launch_normalize_rows_typed<float>(x, normalized, m, k, eps, pointers, stream);
+    case FLASHNORM_DTYPE_F16: return launch_normalize_rows_typed<__half>(x, normalized, m, k, eps, pointers, stream);
+    case FLASHNORM_DTYPE_BF16:
+        return launch_normalize_rows_typed<__nv_bfloat16>(x, normalized, m, k, eps, pointers, stream);
     }
     return cudaErrorInvalidValue;
 }

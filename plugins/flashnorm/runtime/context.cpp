@@ -1,6 +1,6 @@
 #include "runtime/context.h"
 
-#include <cstdlib>
+#include <algorithm>
 #include <functional>
 
 #include "runtime/check.h"
@@ -77,6 +77,18 @@ flashnorm_status make_plan(flashnorm_context* context, GemmKey const& key, GemmP
     FLASHNORM_CHECK(context, cublasLtMatrixLayoutCreate(&plan.x_layout, io_type, k, m, static_cast<int64_t>(k)));
     FLASHNORM_CHECK(
         context, cublasLtMatrixLayoutCreate(&plan.product_layout, out_type, n, m, static_cast<int64_t>(n)));
+    if (key.batch > 1)
+    {
+        uint32_t const mode = CUBLASLT_BATCH_MODE_POINTER_ARRAY;
+        for (cublasLtMatrixLayout_t const layout : {plan.w_layout, plan.x_layout, plan.product_layout})
+        {
+            FLASHNORM_CHECK(context,
+                cublasLtMatrixLayoutSetAttribute(
+                    layout, CUBLASLT_MATRIX_LAYOUT_BATCH_COUNT, &key.batch, sizeof(key.batch)));
+            FLASHNORM_CHECK(context,
+                cublasLtMatrixLayoutSetAttribute(layout, CUBLASLT_MATRIX_LAYOUT_BATCH_MODE, &mode, sizeof(mode)));
+        }
+    }
     FLASHNORM_CHECK(context, cublasLtMatmulPreferenceCreate(&plan.preference));
     size_t const workspace_limit = kGemmWorkspaceBytes;
     FLASHNORM_CHECK(context,
@@ -146,7 +158,7 @@ bool GemmKey::operator==(GemmKey const& other) const
 {
     return m == other.m && k == other.k && n == other.n && w_ld == other.w_ld && dtype == other.dtype
         && out_dtype == other.out_dtype && x_alignment == other.x_alignment && w_alignment == other.w_alignment
-        && out_alignment == other.out_alignment;
+        && out_alignment == other.out_alignment && batch == other.batch;
 }
 
 size_t GemmKeyHash::operator()(GemmKey const& key) const
@@ -154,7 +166,7 @@ size_t GemmKeyHash::operator()(GemmKey const& key) const
     size_t hash = std::hash<int64_t>()(key.m);
     for (uint64_t part : {uint64_t(key.k), uint64_t(key.n), uint64_t(key.w_ld), uint64_t(key.dtype),
              uint64_t(key.out_dtype), uint64_t(key.x_alignment), uint64_t(key.w_alignment),
-             uint64_t(key.out_alignment)})
+             uint64_t(key.out_alignment), uint64_t(key.batch)})
     {
         hash = hash * 1000003u ^ std::hash<uint64_t>()(part);
     }
@@ -174,7 +186,8 @@ TwoStreamLayout two_stream_layout(int64_t m, int64_t n, flashnorm_dtype dtype)
 PrenormLayout prenorm_layout(int64_t m, int64_t k, flashnorm_dtype dtype, int outputs)
 {
     PrenormLayout layout{};
-    layout.gemm_workspace_offset = round_up(element_bytes(dtype) * static_cast<size_t>(m * k));
+    layout.pointer_table_offset = round_up(element_bytes(dtype) * static_cast<size_t>(m * k));
+    layout.gemm_workspace_offset = layout.pointer_table_offset + round_up(sizeof(PointerTable::values));
     layout.side_gemm_workspace_offset = layout.gemm_workspace_offset + kGemmWorkspaceBytes;
     layout.total = layout.side_gemm_workspace_offset + (outputs > 1 ? kGemmWorkspaceBytes : 0);
     return layout;
@@ -191,11 +204,6 @@ flashnorm_status create_context(flashnorm_context* context)
     FLASHNORM_CHECK(context, cudaEventCreateWithFlags(&context->join, cudaEventDisableTiming));
     FLASHNORM_CHECK(context, cublasLtCreate(&context->cublas));
     FLASHNORM_CHECK(context, configure_fused_kernels());
-    if (char const* forced = std::getenv("FLASHNORM_FUSED_CLUSTER_SIZE"))
-    {
-        int const size = std::atoi(forced);
-        context->fused_cluster_size = (size == 1 || size == 2 || size == 4 || size == 8) ? size : 0;
-    }
     return FLASHNORM_STATUS_OK;
 }
 
@@ -239,9 +247,10 @@ flashnorm_status run_two_stream(flashnorm_context* context, flashnorm_problem co
     // Fork: the side stream starts only after everything the caller enqueued before this call.
     FLASHNORM_CHECK(context, cudaEventRecord(context->fork, stream));
     FLASHNORM_CHECK(context, cudaStreamWaitEvent(context->side_stream, context->fork, 0));
-    FLASHNORM_CHECK(context,
-        launch_inv_rms(problem.dtype, x, problem.m, problem.k, problem.eps, inv_rms, context->side_delay_cycles,
-            context->side_stream));
+    if (context->side_delay_cycles > 0)
+        FLASHNORM_CHECK(context, launch_delay(context->side_delay_cycles, context->side_stream));
+    FLASHNORM_CHECK(
+        context, launch_inv_rms(problem.dtype, x, problem.m, problem.k, problem.eps, inv_rms, context->side_stream));
     FLASHNORM_CHECK(context, cudaEventRecord(context->join, context->side_stream));
 
     float const alpha = 1.f;
@@ -260,57 +269,106 @@ flashnorm_status run_two_stream(flashnorm_context* context, flashnorm_problem co
     return FLASHNORM_STATUS_OK;
 }
 
+int split_runs(flashnorm_problem const& problem, SplitRun (&runs)[FLASHNORM_MAX_OUTPUTS])
+{
+    int count = 0;
+    for (int i = 0; i < problem.num_outputs;)
+    {
+        int j = i + 1;
+        while (j < problem.num_outputs && problem.split_sizes[j] == problem.split_sizes[i])
+            ++j;
+        runs[count++] = SplitRun{i, j - i, problem.split_sizes[i]};
+        i = j;
+    }
+    return count;
+}
+
 flashnorm_status run_prenorm(flashnorm_context* context, flashnorm_problem const& problem, void const* x,
     void const* w, OutputSplits const& splits, void* workspace, cudaStream_t stream)
 {
     PrenormLayout const layout = prenorm_layout(problem.m, problem.k, problem.dtype, splits.count);
     char* const base = static_cast<char*>(workspace);
     void* const normalized = base;
+    void const** const table = reinterpret_cast<void const**>(base + layout.pointer_table_offset);
     size_t const element = element_bytes(problem.dtype);
+    auto const w_slice = [&](int split) -> void const* {
+        return static_cast<char const*>(w) + element * static_cast<size_t>(splits.offsets[split]);
+    };
+    SplitRun runs[FLASHNORM_MAX_OUTPUTS];
+    int const run_count = split_runs(problem, runs);
 
-    // Every plan first (host only): a failure then leaves nothing enqueued.
+    // Every plan first (host only): a failure then leaves nothing enqueued. A run of several
+    // splits reads its W slices, x̂ and outputs from three arrays of the pointer table.
     GemmPlan const* plans[FLASHNORM_MAX_OUTPUTS] = {};
-    void const* w_slices[FLASHNORM_MAX_OUTPUTS] = {};
+    void const* a_operands[FLASHNORM_MAX_OUTPUTS] = {};
+    void const* b_operands[FLASHNORM_MAX_OUTPUTS] = {};
+    void* d_operands[FLASHNORM_MAX_OUTPUTS] = {};
+    PointerTable pointers{};
+    pointers.destination = table;
     int widest = 0;
-    for (int i = 0; i < splits.count; ++i)
+    for (int r = 0; r < run_count; ++r)
     {
-        int64_t const width = splits.offsets[i + 1] - splits.offsets[i];
-        w_slices[i] = static_cast<char const*>(w) + element * static_cast<size_t>(splits.offsets[i]);
-        GemmKey const key{problem.m, problem.k, width, problem.n, problem.dtype, problem.dtype,
-            alignment_of(normalized), alignment_of(w_slices[i]), alignment_of(splits.outputs[i])};
-        flashnorm_status const status = find_plan(context, key, &plans[i]);
+        SplitRun const& run = runs[r];
+        uint32_t w_alignment = alignment_of(w_slice(run.first));
+        uint32_t out_alignment = alignment_of(splits.outputs[run.first]);
+        if (run.count == 1)
+        {
+            a_operands[r] = w_slice(run.first);
+            b_operands[r] = normalized;
+            d_operands[r] = splits.outputs[run.first];
+        }
+        else
+        {
+            void const** const arrays = pointers.values + pointers.count;
+            for (int i = 0; i < run.count; ++i)
+            {
+                arrays[i] = w_slice(run.first + i);
+                arrays[run.count + i] = normalized;
+                arrays[2 * run.count + i] = splits.outputs[run.first + i];
+                w_alignment = std::min(w_alignment, alignment_of(arrays[i]));
+                out_alignment = std::min(out_alignment, alignment_of(arrays[2 * run.count + i]));
+            }
+            a_operands[r] = table + pointers.count;
+            b_operands[r] = table + pointers.count + run.count;
+            d_operands[r] = table + pointers.count + 2 * run.count;
+            pointers.count += 3 * run.count;
+        }
+        GemmKey const key{problem.m, problem.k, run.width, problem.n, problem.dtype, problem.dtype,
+            alignment_of(normalized), w_alignment, out_alignment, run.count};
+        flashnorm_status const status = find_plan(context, key, &plans[r]);
         if (status != FLASHNORM_STATUS_OK)
         {
             return status;
         }
-        widest = width > splits.offsets[widest + 1] - splits.offsets[widest] ? i : widest;
+        widest = run.width * run.count > runs[widest].width * runs[widest].count ? r : widest;
     }
 
     float const alpha = 1.f;
     float const beta = 0.f;
-    auto gemm = [&](int i, void* gemm_workspace, cudaStream_t on) {
-        GemmPlan const* const plan = plans[i];
-        return cublasLtMatmul(context->cublas, plan->operation, &alpha, w_slices[i], plan->w_layout, normalized,
-            plan->x_layout, &beta, splits.outputs[i], plan->product_layout, splits.outputs[i], plan->product_layout,
+    auto gemm = [&](int r, void* gemm_workspace, cudaStream_t on) {
+        GemmPlan const* const plan = plans[r];
+        return cublasLtMatmul(context->cublas, plan->operation, &alpha, a_operands[r], plan->w_layout, b_operands[r],
+            plan->x_layout, &beta, d_operands[r], plan->product_layout, d_operands[r], plan->product_layout,
             &plan->algorithm, gemm_workspace, plan->workspace_bytes, on);
     };
 
-    FLASHNORM_CHECK(
-        context, launch_normalize_rows(problem.dtype, x, normalized, problem.m, problem.k, problem.eps, stream));
-    bool const forked = splits.count > 1;
+    // The normalize kernel also writes the pointer table (before any GEMM reads it).
+    FLASHNORM_CHECK(context,
+        launch_normalize_rows(problem.dtype, x, normalized, problem.m, problem.k, problem.eps, pointers, stream));
+    bool const forked = run_count > 1;
     if (forked)
     {
-        // A narrow split's GEMM alone leaves most of the GPU idle (kernels/NOTES.md, prenorm): the
+        // A narrow run's GEMM alone leaves most of the GPU idle (kernels/NOTES.md, prenorm): the
         // narrow ones run on the side stream, one after another on its own cuBLASLt workspace,
-        // while the widest runs here. Fork after x̂ is written: they all read it.
+        // while the widest runs here. Fork after x̂ and the table are written: they all read them.
         FLASHNORM_CHECK(context, cudaEventRecord(context->fork, stream));
         FLASHNORM_CHECK(context, cudaStreamWaitEvent(context->side_stream, context->fork, 0));
         if (context->side_delay_cycles > 0)
             FLASHNORM_CHECK(context, launch_delay(context->side_delay_cycles, context->side_stream));
-        for (int i = 0; i < splits.count; ++i)
+        for (int r = 0; r < run_count; ++r)
         {
-            if (i != widest)
-                FLASHNORM_CHECK(context, gemm(i, base + layout.side_gemm_workspace_offset, context->side_stream));
+            if (r != widest)
+                FLASHNORM_CHECK(context, gemm(r, base + layout.side_gemm_workspace_offset, context->side_stream));
         }
         FLASHNORM_CHECK(context, cudaEventRecord(context->join, context->side_stream));
     }

@@ -31,15 +31,29 @@ struct TwoStreamLayout
 };
 TwoStreamLayout two_stream_layout(int64_t m, int64_t n, flashnorm_dtype dtype);
 
-// The prenorm workspace: [x̂: m×k in the I/O dtype][cuBLASLt workspace][the side stream's
-// cuBLASLt workspace, with more than one output], each region starting on a 256-byte boundary.
+// The prenorm workspace: [x̂: m×k in the I/O dtype][pointer arrays of the batched GEMMs][cuBLASLt
+// workspace][the side stream's cuBLASLt workspace, with more than one output], each region
+// starting on a 256-byte boundary.
 struct PrenormLayout
 {
+    size_t pointer_table_offset;
     size_t gemm_workspace_offset;
     size_t side_gemm_workspace_offset;
     size_t total;
 };
 PrenormLayout prenorm_layout(int64_t m, int64_t k, flashnorm_dtype dtype, int outputs);
+
+// Consecutive splits of one width (q|k|v's k and v, gate|up): prenorm runs each run as one GEMM,
+// a pointer-array batched one for several splits, tiled like a GEMM over their whole width where a
+// GEMM per split was up to 1.2× slower (kernels/NOTES.md); AUTO's prenorm threshold (capi.cpp)
+// looks at the narrowest run.
+struct SplitRun
+{
+    int first;
+    int count;
+    int64_t width;
+};
+int split_runs(flashnorm_problem const& problem, SplitRun (&runs)[FLASHNORM_MAX_OUTPUTS]);
 
 // A GEMM shape as cuBLASLt sees it: [m,k]·W[:, n columns] with W's rows w_ld elements apart (the
 // full N when prenorm reads one split's column slice), written in out_dtype. Pointer alignment is
@@ -49,6 +63,9 @@ struct GemmKey
     int64_t m, k, n, w_ld;
     flashnorm_dtype dtype, out_dtype;
     uint32_t x_alignment, w_alignment, out_alignment;
+    // > 1: that many GEMMs of this shape in one pointer-array batched call (arrays of W slices,
+    // x and outputs in device memory).
+    int32_t batch = 1;
     bool operator==(GemmKey const& other) const;
 };
 
@@ -83,9 +100,9 @@ struct flashnorm_context
     // Test hook: the side stream's work (two-stream's inv_rms, prenorm's narrow GEMMs) is held
     // back this many GPU clock cycles.
     int64_t side_delay_cycles = 0;
-    // Blocks per column strip of the fused kernel: 0 chooses per shape; 1, 2, 4 or 8 forces it.
-    // Read from FLASHNORM_FUSED_CLUSTER_SIZE at creation, for tuning runs only.
-    int fused_cluster_size = 0;
+    // The fused kernel's strip width and blocks per strip: chosen per shape unless forced by
+    // flashnorm_testing_set_fused_tuning (tests and tuning runs).
+    flashnorm::FusedTuning fused_tuning;
     std::string last_error;
 };
 

@@ -85,6 +85,8 @@ struct Case
     std::vector<int64_t> splits;
     int64_t side_delay;
     bool captured;
+    int32_t strip_cols = 0; // the fused kernel's layout, forced where non-zero
+    int32_t cluster_size = 0;
 };
 
 void run_case(flashnorm_context* context, std::mt19937& rng, Case const& c)
@@ -133,14 +135,15 @@ void run_case(flashnorm_context* context, std::mt19937& rng, Case const& c)
     cudaStream_t stream = nullptr;
     SELFTEST_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
     flashnorm_testing_set_side_delay(context, c.side_delay);
-    flashnorm_status status = FLASHNORM_STATUS_OK;
+    flashnorm_status status = flashnorm_testing_set_fused_tuning(context, c.strip_cols, c.cluster_size);
     if (c.captured)
     {
         cudaGraph_t graph = nullptr;
         cudaGraphExec_t exec = nullptr;
         SELFTEST_CUDA(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
-        status = flashnorm_matmul(context, &problem, x_device, w_device, outputs.data(), workspace, workspace_bytes,
-            stream);
+        if (status == FLASHNORM_STATUS_OK)
+            status = flashnorm_matmul(context, &problem, x_device, w_device, outputs.data(), workspace,
+                workspace_bytes, stream);
         SELFTEST_CUDA(cudaStreamEndCapture(stream, &graph));
         SELFTEST_CUDA(cudaGraphInstantiate(&exec, graph, 0));
         for (int replay = 0; replay < 3; ++replay)
@@ -148,13 +151,14 @@ void run_case(flashnorm_context* context, std::mt19937& rng, Case const& c)
         SELFTEST_CUDA(cudaGraphExecDestroy(exec));
         SELFTEST_CUDA(cudaGraphDestroy(graph));
     }
-    else
+    else if (status == FLASHNORM_STATUS_OK)
     {
         status = flashnorm_matmul(context, &problem, x_device, w_device, outputs.data(), workspace, workspace_bytes,
             stream);
     }
     SELFTEST_CUDA(cudaStreamSynchronize(stream));
     flashnorm_testing_set_side_delay(context, 0);
+    flashnorm_testing_set_fused_tuning(context, 0, 0);
     if (status != FLASHNORM_STATUS_OK)
     {
         std::fprintf(stderr, "FAIL flashnorm_matmul: %s (%s)\n", flashnorm_status_string(status),
@@ -193,9 +197,10 @@ void run_case(flashnorm_context* context, std::mt19937& rng, Case const& c)
     }
     bool const ok = worst <= tolerance(c.dtype);
     g_failures += ok ? 0 : 1;
-    std::printf("%s %-4s %-10s m=%-3lld k=%-4lld n=%-4lld outputs=%zu delay=%lld graph=%d worst=%.3g\n",
-        ok ? "ok  " : "FAIL", name(c.dtype), strategy_name(c.strategy),
-        (long long)m, (long long)k, (long long)n, c.splits.size(), (long long)c.side_delay, int(c.captured), worst);
+    std::printf("%s %-4s %-10s m=%-3lld k=%-4lld n=%-4lld outputs=%zu delay=%lld graph=%d strip=%d cluster=%d "
+                "worst=%.3g\n",
+        ok ? "ok  " : "FAIL", name(c.dtype), strategy_name(c.strategy), (long long)m, (long long)k, (long long)n,
+        c.splits.size(), (long long)c.side_delay, int(c.captured), c.strip_cols, c.cluster_size, worst);
 
     SELFTEST_CUDA(cudaStreamDestroy(stream));
     SELFTEST_CUDA(cudaFree(x_device));
@@ -208,6 +213,8 @@ void run_case(flashnorm_context* context, std::mt19937& rng, Case const& c)
 
 int main()
 {
+    // Line-buffered: under compute-sanitizer each case's line lands next to any report it causes.
+    std::setvbuf(stdout, nullptr, _IOLBF, 0);
     flashnorm_context* context = nullptr;
     flashnorm_status const created = flashnorm_context_create(&context);
     if (created != FLASHNORM_STATUS_OK)
@@ -235,6 +242,11 @@ int main()
         {FLASHNORM_DTYPE_BF16, prenorm, 5, 96, {32, 16, 16}, 0, false},  // row held in registers
         {FLASHNORM_DTYPE_BF16, prenorm, 3, 8200, {24, 8}, 0, false},     // row longer than the registers hold
         {FLASHNORM_DTYPE_F16, prenorm, 19, 130, {24, 72}, 0, true},      // captured prenorm, K tail
+        {FLASHNORM_DTYPE_BF16, prenorm, 70, 256, {64, 64, 64}, 0, true},   // captured, equal splits
+        {FLASHNORM_DTYPE_BF16, fused, 3, 520, {40, 8}, 0, false, 32, 1},   // narrow strips, the ring wraps
+        {FLASHNORM_DTYPE_BF16, fused, 11, 264, {88}, 0, false, 32, 4},     // ... two token groups, a cluster
+        {FLASHNORM_DTYPE_F16, fused, 2, 1030, {96, 40}, 0, false, 32, 8},  // ... N tail, K tail
+        {FLASHNORM_DTYPE_F16, fused, 16, 130, {72}, 0, true, 32, 2},       // ... captured
     };
     for (Case const& c : cases)
         run_case(context, rng, c);

@@ -7,7 +7,6 @@ BRIEF.md; W* may sit in L2 for the small shapes)."""
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import sys
 from pathlib import Path
@@ -50,17 +49,23 @@ def time_us(function) -> float:
 
 
 def fused_table(rows) -> None:
-    """The fused kernel alone (bf16), for comparing FLASHNORM_FUSED_CLUSTER_SIZE settings."""
-    setting = os.environ.get("FLASHNORM_FUSED_CLUSTER_SIZE", "auto")
+    """The fused kernel alone (bf16) under every forced strip width and cluster size, then the
+    automatic choice (kernels.set_fused_tuning)."""
+    settings = [(strip, size) for strip in (128, 32, 16) for size in (1, 2, 4, 8)] + [(0, 0)]
     for k, splits in SHAPES:
         n = sum(splits)
         w = (torch.randn(k, n, device="cuda") / k**0.5).bfloat16()
-        cells = []
-        for m in rows:
-            x = torch.randn(m, k, device="cuda").bfloat16()
-            outs = [torch.empty(m, width, device="cuda", dtype=torch.bfloat16) for width in splits]
-            cells.append(f"{time_us(lambda: kernels.flashnorm_matmul(x, w, 1e-5, splits, 'fused', outs)):7.1f}")
-        print(f"cluster={setting:>4} {f'{k}×{n}':>12} fused µs at M={rows}: {' '.join(cells)}", flush=True)
+        xs = [torch.randn(m, k, device="cuda").bfloat16() for m in rows]
+        outs = [[torch.empty(m, width, device="cuda", dtype=torch.bfloat16) for width in splits] for m in rows]
+        for strip, size in settings:
+            kernels.set_fused_tuning(strip, size)
+            cells = [
+                f"{time_us(lambda: kernels.flashnorm_matmul(x, w, 1e-5, splits, 'fused', out)):7.1f}"
+                for x, out in zip(xs, outs)
+            ]
+            label = f"strip={strip} cluster={size}" if strip else "auto"
+            print(f"{label:>20} {f'{k}×{n}':>12} fused µs at M={rows}: {' '.join(cells)}", flush=True)
+        kernels.set_fused_tuning(0, 0)
 
 
 def timed_baselines(dtype: torch.dtype, shapes, rows, eps: float):

@@ -37,13 +37,14 @@ typedef enum flashnorm_dtype
 
 typedef enum flashnorm_strategy
 {
-    FLASHNORM_STRATEGY_AUTO = 0,       /* picks by M, K·N, the narrowest split and the dtype; thresholds
+    FLASHNORM_STRATEGY_AUTO = 0,       /* picks by M, K·N, the splits and the dtype; thresholds
                                           measured on H200, see capi.cpp */
     FLASHNORM_STRATEGY_TWO_STREAM = 1, /* cuBLASLt GEMM on the caller's stream ‖ RMS on a side stream */
     FLASHNORM_STRATEGY_FUSED = 2,      /* one kernel: GEMV + sum(x²) + scale in its epilogue */
     FLASHNORM_STRATEGY_PRENORM = 3,    /* x̂ = x ⊙ rsqrt(mean(x²)+eps) into the workspace (one rounding to
-                                          the I/O dtype), then one cuBLASLt GEMM per split writing its
-                                          output directly (all but the widest on the side stream, joined
+                                          the I/O dtype), then one cuBLASLt GEMM per run of consecutive
+                                          equal-width splits (batched over the run) writing the outputs
+                                          directly (all runs but the widest on the side stream, joined
                                           before the call returns); for large M, where a pass over the
                                           N-wide output costs more than one over the K-wide input */
 } flashnorm_strategy;
@@ -104,6 +105,12 @@ FLASHNORM_API char const* flashnorm_context_last_error(flashnorm_context const* 
  * this many GPU clock cycles before it writes, so that a missing join would read a stale buffer.
  * 0 (the default) disables it. */
 FLASHNORM_API void flashnorm_testing_set_side_delay(flashnorm_context* context, int64_t cycles);
+
+/* Tuning hook: forces the fused kernel's strip width (32 or 128 columns of W* per cluster) and
+ * cluster size (1, 2, 4 or 8 blocks per strip, splitting K) on this context; 0 restores the
+ * automatic choice. Any other value is FLASHNORM_STATUS_INVALID_ARGUMENT. */
+FLASHNORM_API flashnorm_status flashnorm_testing_set_fused_tuning(
+    flashnorm_context* context, int32_t strip_cols, int32_t cluster_size);
 
 /* 1 if this build was made with FLASHNORM_TESTING_DROP_JOIN (the race mutation), else 0. */
 FLASHNORM_API int flashnorm_testing_join_dropped(void);
