@@ -216,7 +216,7 @@ def measure_site(
 ) -> list[dict]:
     rows = []
     compiled = compile_fn(unfused_norm_matmul)
-    for m in token_counts:
+    for row_index, m in enumerate(token_counts):
         checks = check_strategies(site, m, op, device, dtype)
         count = rotation_count(site, m, cache_bytes)
         sets = make_sets(site, m, count, device, dtype)
@@ -231,7 +231,12 @@ def measure_site(
             )
         except Exception as error:
             checks["compile"] = f"refused: {type(error).__name__}: {error}"
-        for column in COLUMNS:
+        # Each row starts at a different column, so that no column is always timed last, after
+        # seconds of full-power GEMMs (three runs on 2026-11-29 had `auto`, then always last, 5–11 %
+        # slower than the prenorm column it resolves to on the largest prefill row).
+        shift = row_index % len(COLUMNS)
+        order = COLUMNS[shift:] + COLUMNS[:shift]
+        for column in order:
             refused = column in checks and isinstance(checks[column], str)
             skipped = column == "fused" and m > fused_max_m
             times[column] = None
@@ -252,6 +257,7 @@ def measure_site(
             n=site.n,
             splits=list(site.splits),
             input_sets=count,
+            column_order=list(order),
             times_us=times,
             gemm_repeat_us=gemm_again,
             floor_us=floor,
