@@ -308,9 +308,14 @@ def test_smollm2_deferred_matches_folded(smollm2_onnx, smollm2_folded_onnx, rng)
     feeds = language_model_feeds(signature, random_token_ids(signature.vocab_size, 2, 12, rng), rng=rng)
     (folded_logits,) = run(str(smollm2_folded_onnx), feeds)[:1]
     (deferred_logits,) = run(str(deferred_path), feeds)[:1]
+    # fp32 rounds (x·W*)·s and (x·s)·W* differently, and 30 layers amplify it for some token
+    # sequences: on one CI seed (2324577970, 2026-11-29) deferred vs folded reached 3.4e-5 of the
+    # largest logit (rel L2 7.3e-6), and folded vs the original model 1.1e-5 on the same tokens
+    # (2.5e-6); typical seeds stay near 3e-6 (1e-6). A wrong scale, eps or split moves logits by
+    # percents, far outside these bounds.
     difference = deferred_logits.astype(np.float64) - folded_logits
-    assert np.max(np.abs(difference)) / np.max(np.abs(folded_logits)) < 1e-5
-    assert np.linalg.norm(difference) / np.linalg.norm(folded_logits) < 1e-5
+    assert np.max(np.abs(difference)) / np.max(np.abs(folded_logits)) < 1e-4
+    assert np.linalg.norm(difference) / np.linalg.norm(folded_logits) < 3e-5
 
 
 def test_optimize_external_model_assembles_the_weight_while_saving(rng, tmp_path, external_reads):
