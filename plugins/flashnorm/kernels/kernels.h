@@ -32,9 +32,9 @@ cudaError_t launch_delay(int64_t cycles, cudaStream_t stream);
 cudaError_t launch_post_scale(flashnorm_dtype dtype, flashnorm_dtype product_dtype, void const* product,
     float const* inv_rms, int64_t m, int64_t n, OutputSplits const& splits, cudaStream_t stream);
 
-// Device arrays of pointers for cuBLASLt's pointer-array batched GEMMs: `count` values copied to
-// `destination` by the normalize kernel before it runs (kernel arguments are captured by value,
-// so a CUDA graph replays the same pointers).
+// Device arrays of pointers for cuBLASLt's pointer-array batched GEMMs: the normalize kernel,
+// which runs before the GEMMs that read them, copies the first `count` values to `destination`
+// (kernel arguments are captured by value, so a CUDA graph replays the same pointers).
 struct PointerTable
 {
     void const* values[3 * FLASHNORM_MAX_OUTPUTS];
