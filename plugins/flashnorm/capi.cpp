@@ -105,10 +105,10 @@ flashnorm_strategy resolve(flashnorm_problem const& problem)
     return tensor_cores && fused_wins ? FLASHNORM_STRATEGY_FUSED : FLASHNORM_STRATEGY_TWO_STREAM;
 }
 
-// Bytes the strategy `resolve` picks for exactly this problem needs.
-size_t workspace_bytes_for(flashnorm_problem const& problem)
+// Bytes `strategy` (resolved, never AUTO) needs for exactly this problem.
+size_t workspace_bytes_for(flashnorm_problem const& problem, flashnorm_strategy strategy)
 {
-    switch (resolve(problem))
+    switch (strategy)
     {
     case FLASHNORM_STRATEGY_FUSED: return 0;
     case FLASHNORM_STRATEGY_PRENORM: return flashnorm::prenorm_layout(problem.m, problem.k, problem.dtype, problem.num_outputs).total;
@@ -151,7 +151,7 @@ size_t flashnorm_workspace_size(flashnorm_problem const* problem)
 {
     if (*problem_error(problem) != '\0')
         return 0;
-    size_t bytes = workspace_bytes_for(*problem);
+    size_t bytes = workspace_bytes_for(*problem, resolve(*problem));
     int64_t const threshold = prenorm_min_rows(*problem);
     if (problem->strategy == FLASHNORM_STRATEGY_AUTO && problem->m >= threshold)
     {
@@ -160,7 +160,7 @@ size_t flashnorm_workspace_size(flashnorm_problem const* problem)
         // own size grows with M, so its largest M below the threshold is the one to cover.
         flashnorm_problem below = *problem;
         below.m = threshold - 1;
-        size_t const smaller = workspace_bytes_for(below);
+        size_t const smaller = workspace_bytes_for(below, resolve(below));
         bytes = smaller > bytes ? smaller : bytes;
     }
     return bytes;
@@ -212,7 +212,7 @@ flashnorm_status flashnorm_matmul(flashnorm_context* context, flashnorm_problem 
                 context->sm_count, context->fused_tuning, stream));
         return FLASHNORM_STATUS_OK;
     }
-    size_t const needed = workspace_bytes_for(*problem);
+    size_t const needed = workspace_bytes_for(*problem, strategy);
     if (workspace == nullptr || workspace_bytes < needed || reinterpret_cast<uintptr_t>(workspace) % 256 != 0)
         return flashnorm::record_error(context, FLASHNORM_STATUS_WORKSPACE_TOO_SMALL, "flashnorm_matmul",
             "workspace missing, smaller than flashnorm_workspace_size() or not 256-byte aligned", "workspace");

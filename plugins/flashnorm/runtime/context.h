@@ -117,9 +117,10 @@ void destroy_context(flashnorm_context* context);
 flashnorm_status run_two_stream(flashnorm_context* context, flashnorm_problem const& problem, void const* x,
     void const* w, OutputSplits const& splits, void* workspace, cudaStream_t stream);
 
-// y = x̂·W*, split: x̂ = x ⊙ inv_rms into the workspace, then one cuBLASLt GEMM per split from the
-// column slice of W* straight into that split's output: the widest on `stream`, the others on the
-// side stream beside it (forked after x̂ is written, joined before the call returns).
+// y = x̂·W*, split: x̂ = x ⊙ inv_rms into the workspace, then one cuBLASLt GEMM per run of
+// equal-width splits (SplitRun) from the column slices of W* straight into the outputs: the widest
+// run on `stream`, the others on the side stream beside it (forked after x̂ is written, joined
+// before the call returns).
 flashnorm_status run_prenorm(flashnorm_context* context, flashnorm_problem const& problem, void const* x,
     void const* w, OutputSplits const& splits, void* workspace, cudaStream_t stream);
 

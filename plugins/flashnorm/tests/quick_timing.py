@@ -51,7 +51,7 @@ def time_us(function) -> float:
 def fused_table(rows) -> None:
     """The fused kernel alone (bf16) under every forced strip width and cluster size, then the
     automatic choice (kernels.set_fused_tuning)."""
-    settings = [(strip, size) for strip in (128, 32, 16) for size in (1, 2, 4, 8)] + [(0, 0)]
+    settings = [(strip, size) for strip in (128, 32) for size in (1, 2, 4, 8)] + [(0, 0)]
     for k, splits in SHAPES:
         n = sum(splits)
         w = (torch.randn(k, n, device="cuda") / k**0.5).bfloat16()

@@ -47,10 +47,10 @@ note "(mutant build: the race test is expected to FAIL)"
 grep -E "calls wrong|passed|failed" "$LOGS/pytest_mutant_race.log" | tail -4 | tee -a "$summary"
 
 step timing python3 plugins/flashnorm/tests/quick_timing.py "$@"
-cp "$LOGS/timing.log" "$OUT/timing.txt"
-python3 plugins/flashnorm/tests/quick_timing.py --prefill 64 256 1024 4096 >> "$OUT/timing.txt" 2>&1
+step timing_prefill python3 plugins/flashnorm/tests/quick_timing.py --prefill 64 256 1024 4096
 # The fused kernel's strip widths and cluster sizes, forced (tuning the automatic choice).
-python3 plugins/flashnorm/tests/quick_timing.py --fused-only 1 16 >> "$OUT/timing.txt" 2>&1
+step timing_fused python3 plugins/flashnorm/tests/quick_timing.py --fused-only 1 16
+cat "$LOGS/timing.log" "$LOGS/timing_prefill.log" "$LOGS/timing_fused.log" > "$OUT/timing.txt"
 tar czf "$OUT/logs.tgz" -C "$OUT" logs && rm -rf "$LOGS"   # few files come back from the device
 cat "$OUT/timing.txt"
 echo "---- summary"
