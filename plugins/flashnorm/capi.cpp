@@ -111,7 +111,12 @@ size_t workspace_bytes_for(flashnorm_problem const& problem, flashnorm_strategy 
     switch (strategy)
     {
     case FLASHNORM_STRATEGY_FUSED: return 0;
-    case FLASHNORM_STRATEGY_PRENORM: return flashnorm::prenorm_layout(problem.m, problem.k, problem.dtype, problem.num_outputs).total;
+    case FLASHNORM_STRATEGY_PRENORM:
+    {
+        flashnorm::SplitRun runs[FLASHNORM_MAX_OUTPUTS];
+        return flashnorm::prenorm_layout(problem.m, problem.k, problem.dtype, flashnorm::split_runs(problem, runs))
+            .total;
+    }
     default: return flashnorm::two_stream_layout(problem.m, problem.n, problem.dtype).total;
     }
 }

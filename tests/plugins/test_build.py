@@ -134,3 +134,17 @@ def test_auto_workspace_covers_every_smaller_m(built_library, monkeypatch):
                     picked = kernels.resolve_strategy(m, k, sum(splits), dtype, splits)
                     needed = kernels.workspace_size(m, k, splits, dtype, picked)
                     assert needed <= largest, (k, splits, dtype, top, m, picked)
+
+
+def test_prenorm_side_workspace_only_for_several_runs(built_library, monkeypatch):
+    """Prenorm's side stream (and its own 32 MiB cuBLASLt workspace) serves only a second run of
+    equal-width splits: q|k|v has two runs, gate|up and a single output one."""
+    import torch
+
+    from flashnorm import kernels
+
+    monkeypatch.setenv("FLASHNORM_LIBRARY", str(built_library))
+    monkeypatch.setattr(kernels, "_library", None)
+    single = kernels.workspace_size(1024, 576, [3072], torch.bfloat16, "prenorm")
+    assert kernels.workspace_size(1024, 576, [1536, 1536], torch.bfloat16, "prenorm") == single
+    assert kernels.workspace_size(1024, 576, [576, 192, 192], torch.bfloat16, "prenorm") == single + (32 << 20)

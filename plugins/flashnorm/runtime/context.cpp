@@ -183,13 +183,13 @@ TwoStreamLayout two_stream_layout(int64_t m, int64_t n, flashnorm_dtype dtype)
     return layout;
 }
 
-PrenormLayout prenorm_layout(int64_t m, int64_t k, flashnorm_dtype dtype, int outputs)
+PrenormLayout prenorm_layout(int64_t m, int64_t k, flashnorm_dtype dtype, int runs)
 {
     PrenormLayout layout{};
     layout.pointer_table_offset = round_up(element_bytes(dtype) * static_cast<size_t>(m * k));
     layout.gemm_workspace_offset = layout.pointer_table_offset + round_up(sizeof(PointerTable::values));
     layout.side_gemm_workspace_offset = layout.gemm_workspace_offset + kGemmWorkspaceBytes;
-    layout.total = layout.side_gemm_workspace_offset + (outputs > 1 ? kGemmWorkspaceBytes : 0);
+    layout.total = layout.side_gemm_workspace_offset + (runs > 1 ? kGemmWorkspaceBytes : 0);
     return layout;
 }
 
@@ -286,7 +286,9 @@ int split_runs(flashnorm_problem const& problem, SplitRun (&runs)[FLASHNORM_MAX_
 flashnorm_status run_prenorm(flashnorm_context* context, flashnorm_problem const& problem, void const* x,
     void const* w, OutputSplits const& splits, void* workspace, cudaStream_t stream)
 {
-    PrenormLayout const layout = prenorm_layout(problem.m, problem.k, problem.dtype, splits.count);
+    SplitRun runs[FLASHNORM_MAX_OUTPUTS];
+    int const run_count = split_runs(problem, runs);
+    PrenormLayout const layout = prenorm_layout(problem.m, problem.k, problem.dtype, run_count);
     char* const base = static_cast<char*>(workspace);
     void* const normalized = base;
     void const** const table = reinterpret_cast<void const**>(base + layout.pointer_table_offset);
@@ -294,8 +296,6 @@ flashnorm_status run_prenorm(flashnorm_context* context, flashnorm_problem const
     auto const w_slice = [&](int split) -> void const* {
         return static_cast<char const*>(w) + element * static_cast<size_t>(splits.offsets[split]);
     };
-    SplitRun runs[FLASHNORM_MAX_OUTPUTS];
-    int const run_count = split_runs(problem, runs);
 
     // Every plan first (host only): a failure then leaves nothing enqueued. A run of several
     // splits reads its W slices, x̂ and outputs from three arrays of the pointer table.

@@ -32,7 +32,7 @@ struct TwoStreamLayout
 TwoStreamLayout two_stream_layout(int64_t m, int64_t n, flashnorm_dtype dtype);
 
 // The prenorm workspace: [x̂: m×k in the I/O dtype][pointer arrays of the batched GEMMs][cuBLASLt
-// workspace][the side stream's cuBLASLt workspace, with more than one output], each region
+// workspace][the side stream's cuBLASLt workspace, with more than one run of splits], each region
 // starting on a 256-byte boundary.
 struct PrenormLayout
 {
@@ -41,7 +41,7 @@ struct PrenormLayout
     size_t side_gemm_workspace_offset;
     size_t total;
 };
-PrenormLayout prenorm_layout(int64_t m, int64_t k, flashnorm_dtype dtype, int outputs);
+PrenormLayout prenorm_layout(int64_t m, int64_t k, flashnorm_dtype dtype, int runs);
 
 // Consecutive splits of one width (q|k|v's k and v, gate|up): prenorm runs each run as one GEMM,
 // a pointer-array batched one for several splits, tiled like a GEMM over their whole width where a
