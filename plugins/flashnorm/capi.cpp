@@ -14,13 +14,14 @@ namespace
 // and docs/BENCHMARKS.md): the fused kernel where it beat two-stream. With one B operand of 8 tokens
 // (M <= 8) it did on every W* measured (2048×16384, M=4: 20.5 vs 22.1 µs; 4096×6144: 16.8 vs 18.8;
 // 4096×28672, the largest: 58.8 vs 60.1 at M=1 and 60.5 vs 61.8 at M=4 on 2026-11-29 20:46 UTC,
-// faster or tied in 5 of 6 runs that day, 66.4 vs 60.2 in one). With two (9..16 rows) it won only
-// on the small W* that take its 32-column strips (M=16, 576×960: 4.6 vs 5.6; 576×3072: 6.0 vs
-// 6.2) and tied from 2048×3072 up (9.0 vs 8.9). The CUDA-core fallback (fp32, N % 8 != 0, odd K)
+// faster or tied in 5 of 6 runs that day, 66.4 vs 60.2 in one). With two (9..16 rows), since its
+// epilogue exchanges whole accumulator fragments (2026-11-29 ≈ 22:50 UTC, M=16): on every W* up to
+// 2048×16384 (576×960: 4.6 vs 5.6; 2048×3072: 8.1 vs 8.8; 4096×6144: 18.2 vs 19.1; 2048×16384:
+// 22.1 vs 22.6), not on 4096×28672 (65.1 vs 63.3). The CUDA-core fallback (fp32, N % 8 != 0, odd K)
 // is never picked (fp32 1×2048×3072: 46.7 µs fused, 8.0 µs two-stream).
 constexpr int64_t kFusedMaxRows = 16;
 constexpr int64_t kFusedMaxRowsOneGroup = 8;
-constexpr int64_t kFusedMaxWeightElementsTwoGroups = int64_t(1) << 21;
+constexpr int64_t kFusedMaxWeightElementsTwoGroups = int64_t(1) << 25;
 // Prenorm (kernels/NOTES.md, "prenorm"): two-stream's post-scale reads and writes the N-wide output
 // once more, prenorm's extra pass is over the K-wide input; but prenorm runs one GEMM per run of
 // consecutive equal-width splits (a pointer-array batched GEMM for a run of several), and a narrow

@@ -42,7 +42,6 @@ constexpr int kMmaBlocksPerSm = 3;      // resident blocks per multiprocessor (s
 constexpr int kStepRows = 16;           // rows of W* (k) per mma step
 constexpr int kTokenGroupRows = 8;      // the mma's N: tokens per B operand
 constexpr int kMaxTokenGroups = 2;      // 16 rows of x per pass
-constexpr int kMaxPassRows = kTokenGroupRows * kMaxTokenGroups;
 constexpr int kMaxCluster = 8;          // the portable cluster-size limit
 
 // A strip is the columns one cluster owns. Wide strips (128 columns: 256 contiguous bytes of each
@@ -57,7 +56,6 @@ struct MmaLayout
     static constexpr int kStripTiles = StripCols / 16;
     static constexpr int kRowChunks = StripCols * 2 / 16;    // 16-byte pieces of one strip row
     static constexpr int kCopyRowStride = 32 / kRowChunks;  // rows one copy instruction of a warp covers
-    static constexpr int kPartialStride = StripCols + 4;     // +4 floats: conflict-free accumulator dump
 
     // Piece c of row r sits at c ^ swizzle(r): the 8 rows one ldmatrix phase reads then fall in
     // 8 different 16-byte bank groups whatever the row length.
@@ -75,16 +73,20 @@ struct MmaLayout
         uint32_t x[kMaxTokenGroups][2][32]; // per lane: the pair of k for b0 and for b1
     };
 
-    // After the main loop the pipeline buffers hold the warps' and the block's sums instead.
-    struct Partials
+    // Accumulators in the mma's fragment order: lane l's four values of tile t and token group g
+    // are one float4 (at (t · token groups + g) · 32 + l), so dumping, summing and exchanging them
+    // are whole 16-byte accesses.
+    struct Fragments
     {
-        float warp_sum[kMmaWarps][kMaxPassRows][kPartialStride];
-        float block_sum[kMaxPassRows * StripCols]; // this block's share of K, read by the whole cluster
+        float4 value[kStripTiles * kMaxTokenGroups * 32];
     };
 
-    static constexpr size_t kSharedBytes = sizeof(Stage) * Stages * kMmaWarps > sizeof(Partials)
-        ? sizeof(Stage) * Stages * kMmaWarps
-        : sizeof(Partials);
+    // After the main loop each warp's own ring holds its Fragments (written without waiting for
+    // the other warps); warp 0's ring also holds the block's sum over its warps, which the whole
+    // cluster reads.
+    static constexpr size_t kRingBytes = sizeof(Stage) * Stages;
+    static constexpr size_t kSharedBytes = kRingBytes * kMmaWarps;
+    static_assert(2 * sizeof(Fragments) <= kRingBytes, "a warp's ring holds its fragments and the block's sums");
     // 1 KB per block is reserved by the hardware; 227 KB is an sm_90 multiprocessor's shared memory.
     static_assert(kMmaBlocksPerSm * (kSharedBytes + 1024 + 1024) <= 227 * 1024,
         "the fused kernel's shared memory must leave room for kMmaBlocksPerSm blocks per multiprocessor");
@@ -178,8 +180,7 @@ __global__ void __launch_bounds__(kMmaThreads, kMmaBlocksPerSm)
     using Stage = typename Layout::Stage;
     extern __shared__ __align__(128) unsigned char shared[];
     __shared__ float partial_ssq[kMmaWarps][kPassRows];
-    __shared__ float block_ssq[kPassRows];
-    __shared__ float row_scale[kPassRows];
+    __shared__ __align__(8) float block_ssq[kPassRows];
 
     namespace cg = cooperative_groups;
     cg::cluster_group const cluster = cg::this_cluster();
@@ -280,7 +281,22 @@ __global__ void __launch_bounds__(kMmaThreads, kMmaBlocksPerSm)
         }
     }
     copy_async_wait<0>();
+    __syncwarp(); // every lane's copies have landed and its last reads of the ring are done
 
+    // Epilogue: the warps' partial products meet in shared memory, the cluster's blocks in
+    // distributed shared memory; one block barrier and two cluster barriers in all.
+    using Fragments = typename Layout::Fragments;
+    auto const ring_of = [&](int v) { return reinterpret_cast<Fragments*>(shared + v * Layout::kRingBytes); };
+    Fragments& mine = *ring_of(warp);
+#pragma unroll
+    for (int tile = 0; tile < kStripTiles; ++tile)
+    {
+#pragma unroll
+        for (int g = 0; g < TokenGroups; ++g)
+        {
+            mine.value[(tile * TokenGroups + g) * 32 + lane] = make_float4(acc[tile][g][0], acc[tile][g][1], acc[tile][g][2], acc[tile][g][3]);
+        }
+    }
 #pragma unroll
     for (int g = 0; g < TokenGroups; ++g)
     {
@@ -289,35 +305,27 @@ __global__ void __launch_bounds__(kMmaThreads, kMmaBlocksPerSm)
         if (quad == 0)
             partial_ssq[warp][g * kTokenGroupRows + group] = ssq[g];
     }
-    __syncthreads(); // every warp is done with its pipeline buffers
-    auto& partials = *reinterpret_cast<typename Layout::Partials*>(shared);
-#pragma unroll
-    for (int tile = 0; tile < kStripTiles; ++tile)
-    {
-#pragma unroll
-        for (int g = 0; g < TokenGroups; ++g)
-        {
-            // D[column, token]: (group, 2·quad), (group, 2·quad + 1), (group + 8, ...).
-            int const token = g * kTokenGroupRows + 2 * quad;
-            int const column = tile * 16 + group;
-            partials.warp_sum[warp][token][column] = acc[tile][g][0];
-            partials.warp_sum[warp][token + 1][column] = acc[tile][g][1];
-            partials.warp_sum[warp][token][column + 8] = acc[tile][g][2];
-            partials.warp_sum[warp][token + 1][column + 8] = acc[tile][g][3];
-        }
-    }
     __syncthreads();
-    for (int index = threadIdx.x; index < kPassRows * kStripCols; index += kMmaThreads)
+
+    // Fragment e = (tile, token group, lane) holds D[column, token], D[column, token + 1],
+    // D[column + 8, token], D[column + 8, token + 1] of the strip's 16-column tile.
+    constexpr int kFragments = kStripTiles * TokenGroups * 32;
+    int const valid_rows = static_cast<int>(m - row0 < kPassRows ? m - row0 : kPassRows);
+    auto const first_token = [](int e) { return ((e / 32) % TokenGroups) * kTokenGroupRows + 2 * ((e % 32) & 3); };
+    float4* const block_values = (ring_of(0) + 1)->value;
+    for (int e = threadIdx.x; e < kFragments; e += kMmaThreads)
     {
-        int const r = index / kStripCols;
-        int const c = index % kStripCols;
-        float sum = 0.f;
-#pragma unroll
-        for (int v = 0; v < kMmaWarps; ++v)
+        if (first_token(e) < valid_rows)
         {
-            sum += partials.warp_sum[v][r][c];
+            float4 sum = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll
+            for (int v = 0; v < kMmaWarps; ++v)
+            {
+                float4 const part = ring_of(v)->value[e];
+                sum = make_float4(sum.x + part.x, sum.y + part.y, sum.z + part.z, sum.w + part.w);
+            }
+            block_values[e] = sum;
         }
-        partials.block_sum[index] = sum;
     }
     if (threadIdx.x < kPassRows)
     {
@@ -330,42 +338,58 @@ __global__ void __launch_bounds__(kMmaThreads, kMmaBlocksPerSm)
         block_ssq[threadIdx.x] = sum;
     }
     cluster.sync(); // every block's sums are written and visible to the cluster
-    if (threadIdx.x < kPassRows)
+
+    // The cluster's blocks share the outputs: each gathers all ranks' sums of a fragment and of
+    // its two tokens' squares at once (independent remote reads), scales and stores.
+    for (int e = rank * kMmaThreads + threadIdx.x; e < kFragments; e += ranks * kMmaThreads)
     {
-        float sum = 0.f;
-        for (int q = 0; q < ranks; ++q)
-        {
-            sum += cluster.map_shared_rank(block_ssq, q)[threadIdx.x];
-        }
-        row_scale[threadIdx.x] = rsqrtf(sum / float(k) + eps);
-    }
-    __syncthreads();
-    // The cluster's blocks share the epilogue: each reads all ranks' sums for its outputs
-    // (the remote reads of one output are independent, so they are issued together).
-    for (int index = rank * kMmaThreads + threadIdx.x; index < kPassRows * kStripCols;
-         index += ranks * kMmaThreads)
-    {
-        int const r = index / kStripCols;
-        int64_t const row = row0 + r;
-        int64_t const out_col = col0 + index % kStripCols;
-        if (row < m && out_col < n)
-        {
-            float parts[kMaxCluster];
+        int const token = first_token(e);
+        if (token >= valid_rows)
+            continue;
+        float4 parts[kMaxCluster];
+        float2 squares[kMaxCluster];
 #pragma unroll
-            for (int q = 0; q < kMaxCluster; ++q)
+        for (int q = 0; q < kMaxCluster; ++q)
+        {
+            if (q < ranks)
             {
-                parts[q] = q < ranks ? cluster.map_shared_rank(partials.block_sum, q)[index] : 0.f;
+                parts[q] = cluster.map_shared_rank(block_values, q)[e];
+                squares[q] = *reinterpret_cast<float2 const*>(cluster.map_shared_rank(block_ssq + token, q));
             }
-            float sum = 0.f;
+        }
+        float4 sum = make_float4(0.f, 0.f, 0.f, 0.f);
+        float2 square = make_float2(0.f, 0.f);
 #pragma unroll
-            for (int q = 0; q < kMaxCluster; ++q)
+        for (int q = 0; q < kMaxCluster; ++q)
+        {
+            if (q < ranks)
             {
-                sum += parts[q];
+                sum = make_float4(sum.x + parts[q].x, sum.y + parts[q].y, sum.z + parts[q].z, sum.w + parts[q].w);
+                square = make_float2(square.x + squares[q].x, square.y + squares[q].y);
             }
-            store_split<T>(splits, row, out_col, sum * row_scale[r]);
+        }
+        float const scale0 = rsqrtf(square.x / float(k) + eps);
+        float const scale1 = rsqrtf(square.y / float(k) + eps);
+        int64_t const column = col0 + (e / (TokenGroups * 32)) * 16 + ((e % 32) >> 2);
+        int64_t const row = row0 + token;
+        bool const second_row = token + 1 < valid_rows;
+        if (column < n)
+        {
+            store_split<T>(splits, row, column, sum.x * scale0);
+            if (second_row)
+                store_split<T>(splits, row + 1, column, sum.y * scale1);
+        }
+        if (column + 8 < n)
+        {
+            store_split<T>(splits, row, column + 8, sum.z * scale0);
+            if (second_row)
+                store_split<T>(splits, row + 1, column + 8, sum.w * scale1);
         }
     }
-    cluster.sync(); // no block leaves (and frees its shared memory) while another still reads it
+    // No block may leave (and free its shared memory) while another still reads it. Those reads
+    // have all been consumed above, so the arrival needs no release: a relaxed one does not wait
+    // for this thread's global stores to be performed.
+    asm volatile("barrier.cluster.arrive.relaxed.aligned;\n\tbarrier.cluster.wait.aligned;" ::: "memory");
 }
 
 // ---------------------------------------------------------------- CUDA-core kernel (any shape)
