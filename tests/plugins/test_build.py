@@ -43,10 +43,11 @@ def built_library(tmp_path_factory) -> Path:
     build = tmp_path_factory.mktemp("flashnorm-build")
     generator = ["-G", "Ninja"] if shutil.which("ninja") else []
     _run(["cmake", "-S", str(REPO), "-B", str(build), *generator, "-DCMAKE_BUILD_TYPE=Release"], REPO)
-    _run(["cmake", "--build", str(build), "--target", "flashnorm", "flashnorm_selftest", "--parallel", "2"], REPO)
+    _run(["cmake", "--build", str(build), "--target", "flashnorm", "flashnorm_selftest", "cublaslt_control", "--parallel", "2"], REPO)
     library = build / "plugins" / "flashnorm" / "libflashnorm.so"
     assert library.is_file()
-    assert (build / "plugins" / "flashnorm" / "tests" / "flashnorm_selftest").is_file()
+    for program in ("flashnorm_selftest", "cublaslt_control"):
+        assert (build / "plugins" / "flashnorm" / "tests" / program).is_file()
     return library
 
 
