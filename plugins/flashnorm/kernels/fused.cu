@@ -180,7 +180,7 @@ __global__ void __launch_bounds__(kMmaThreads, kMmaBlocksPerSm)
     using Stage = typename Layout::Stage;
     extern __shared__ __align__(128) unsigned char shared[];
     __shared__ float partial_ssq[kMmaWarps][kPassRows];
-    __shared__ __align__(8) float block_ssq[kPassRows];
+    __shared__ __align__(8) float block_ssq[kPassRows]; // read by the cluster as float2 pairs of rows
 
     namespace cg = cooperative_groups;
     cg::cluster_group const cluster = cg::this_cluster();
