@@ -178,6 +178,21 @@ def test_gemm_alpha_beta_and_transposed_weight(rng, max_error):
     assert max_error(model, deferred) < 1e-5
 
 
+def test_weight_behind_another_transpose_is_reported_not_deferred(rng, max_error):
+    """Only Transpose([1, 0]) is looked through; any other perm leaves the site as it was."""
+    b = GraphBuilder(17)
+    hidden = 24
+    y = pow_div(b, "x", None, 1e-5)
+    w = b.const((rng.standard_normal((hidden, hidden)) / 5).astype(np.float32), "w")
+    out = b.op("MatMul", [y, b.op("Transpose", [w], perm=[0, 1])])
+    model = b.model([helper.make_tensor_value_info("x", TensorProto.FLOAT, ["tokens", hidden])], [out])
+    deferred, reports = fold_then(model, ["defer"])
+    (decision,) = reports["defer"].decisions
+    assert decision.action == "skipped" and "perm [0, 1] is not [1, 0]" in decision.reason
+    assert not flashnorm_nodes(deferred)
+    assert max_error(model, deferred) == 0.0
+
+
 def half_precision_model(rng, dtype, onnx_type: int, hidden: int = 64) -> tuple[onnx.ModelProto, list[np.ndarray]]:
     """A norm (no gain) feeding two projections, activations and weights in a 16-bit `dtype`."""
     b = GraphBuilder(17)

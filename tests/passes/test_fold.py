@@ -98,6 +98,20 @@ def test_nonlinear_consumer_leaves_site_untouched(rng, optimize, max_error):
                                   find_norm_sites(gs.import_onnx(model))[0].gain)
 
 
+def test_weight_behind_another_transpose_is_left_alone(rng, optimize, max_error):
+    """Only Transpose([1, 0]) is looked through; any other perm leaves the site as it was."""
+    hidden = 16
+    b = GraphBuilder(17)
+    y = pow_div(b, "x", random_gain(rng, hidden), 1e-5)
+    w = b.const(rng.standard_normal((hidden, hidden)).astype(np.float32), "w")
+    out = b.op("MatMul", [y, b.op("Transpose", [w], perm=[0, 1])])
+    model = b.model([helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", hidden])], [out])
+    folded, reports = optimize(model, ["fold"])
+    (decision,) = reports["fold"].decisions
+    assert decision.action == "skipped" and "perm [0, 1] is not [1, 0]" in decision.reason
+    assert max_error(model, folded) == 0.0
+
+
 def test_graph_output_norm_is_not_folded(rng, optimize):
     b = GraphBuilder(17)
     y = pow_div(b, "x", random_gain(rng, 16), 1e-5)

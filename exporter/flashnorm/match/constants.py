@@ -38,6 +38,19 @@ def producer(tensor: gs.Tensor) -> Optional[gs.Node]:
     return tensor.inputs[0] if tensor.inputs else None
 
 
+def through_transpose(tensor: gs.Tensor, where: str, error: type[Exception]) -> tuple[gs.Tensor, Optional[gs.Node]]:
+    """Looks through the Transpose that writes a 2-D weight: (its input, the Transpose), or
+    (`tensor`, None) when no Transpose writes it. A perm other than [1, 0] raises `error`, so
+    the caller leaves the site alone and reports why."""
+    source = producer(tensor)
+    if source is None or source.op != "Transpose":
+        return tensor, None
+    perm = list(source.attrs.get("perm", [1, 0]))
+    if perm != [1, 0]:
+        raise error(f"{where}: weight Transpose perm {perm} is not [1, 0]")
+    return source.inputs[0], source
+
+
 def constant_value(tensor: Optional[gs.Tensor], depth: int = 0) -> Optional[np.ndarray]:
     """The value of `tensor` if it is computable from constants alone, else None."""
     if tensor is None or depth > _MAX_DEPTH:

@@ -34,7 +34,7 @@ from onnx_graphsurgeon.ir.tensor import LazyValues
 
 from flashnorm.io import DerivedValues
 from flashnorm.match import NormSite, find_norm_sites
-from flashnorm.match.constants import constant_value, numpy_dtype, producer, stored_dtype_name
+from flashnorm.match.constants import constant_value, numpy_dtype, stored_dtype_name, through_transpose
 from flashnorm.progress import track
 from flashnorm.report import PassReport
 
@@ -88,13 +88,8 @@ def _constant_matrix(tensor: gs.Tensor, where: str) -> tuple[gs.Constant, bool]:
     """A weight as a constant and whether it sat behind a Transpose([1, 0]). An initializer is
     returned as it is (its values stay unread); a weight computed from constants (Constant
     node, Cast, ...) is evaluated into a new in-memory constant."""
-    transposed = False
-    source = producer(tensor)
-    if source is not None and source.op == "Transpose":
-        perm = list(source.attrs.get("perm", [1, 0]))
-        if perm != [1, 0]:
-            raise NotDeferrable(f"{where}: weight Transpose perm {perm} is not [1, 0]")
-        tensor, transposed = source.inputs[0], True
+    tensor, transpose = through_transpose(tensor, where, NotDeferrable)
+    transposed = transpose is not None
     if isinstance(tensor, gs.Constant):
         constant = tensor
     else:

@@ -23,7 +23,7 @@ import onnx_graphsurgeon as gs
 
 from flashnorm.io import DerivedValues
 from flashnorm.match import NormSite, find_norm_sites
-from flashnorm.match.constants import SHAPE_ONLY_OPS, numpy_dtype, producer, stored_dtype_name
+from flashnorm.match.constants import SHAPE_ONLY_OPS, numpy_dtype, producer, stored_dtype_name, through_transpose
 from flashnorm.match.gain import gain_slot_shape
 from flashnorm.progress import track
 from flashnorm.report import PassReport
@@ -96,15 +96,10 @@ def _weight_edit(site: NormSite, node: gs.Node) -> WeightEdit:
         index, transposed = 1, int(node.attrs.get("transB", 0)) == 1
     else:
         raise NotFoldable(f"{where} is not a linear op with a constant weight")
-    weight = node.inputs[index]
-    transpose = None
+    weight, transpose = through_transpose(node.inputs[index], where, NotFoldable)
+    if transpose is not None:
+        transposed = not transposed
     source = producer(weight)
-    if source is not None and source.op == "Transpose":
-        perm = list(source.attrs.get("perm", [1, 0]))
-        if perm != [1, 0]:
-            raise NotFoldable(f"{where}: weight Transpose perm {perm} is not [1, 0]")
-        transpose, weight, transposed = source, source.inputs[0], not transposed
-        source = producer(weight)
     if source is not None and source.op in _DEQUANTIZE_OPS:
         raise NotFoldable(f"{where} has a quantized weight ({source.op}); fold needs dequantize → fold → requantize")
     stored = _stored_weight(weight)
