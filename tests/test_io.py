@@ -224,6 +224,54 @@ def test_failed_save_leaves_previous_files_untouched(external_model, monkeypatch
     np.testing.assert_array_equal(_constant(io.load(out), "w_up").values, up.values)
 
 
+def _fail_commit(monkeypatch, failing_call: int) -> None:
+    """Make the `failing_call`-th rename into place (1: data file, 2: model file) fail."""
+    calls = {"n": 0}
+    real_commit = io._Staged.commit
+
+    def commit(self):
+        calls["n"] += 1
+        if calls["n"] == failing_call:
+            raise OSError(5, "Input/output error")
+        real_commit(self)
+
+    monkeypatch.setattr(io._Staged, "commit", commit)
+
+
+def test_failure_between_the_two_renames_leaves_no_model_reading_the_new_data(external_model, monkeypatch):
+    """Once the new data file is in place, the old model beside it would read it at its old
+    offsets: a failure before the model's rename must not leave that pair behind."""
+    source, _ = external_model
+    graph = io.load(source)
+    out = source.with_name("out.onnx")
+    io.save(graph, out)
+    up = _constant(graph, "w_up")
+    up.values = up.values * 2.0
+    _fail_commit(monkeypatch, failing_call=2)
+    with pytest.raises(OSError):
+        io.save(graph, out)
+    assert not out.exists()
+    assert _leftovers(out.parent) == []
+    monkeypatch.undo()
+    io.save(graph, out)
+    np.testing.assert_array_equal(_constant(io.load(out), "w_up").values, up.values)
+
+
+def test_failed_data_rename_puts_the_previous_model_back(external_model, monkeypatch):
+    source, _ = external_model
+    graph = io.load(source)
+    out = source.with_name("out.onnx")
+    io.save(graph, out)
+    before = (_digest(out), _digest(out.with_name("out.onnx.data")))
+    up = _constant(graph, "w_up")
+    up.values = up.values * 2.0
+    _fail_commit(monkeypatch, failing_call=1)
+    with pytest.raises(OSError):
+        io.save(graph, out)
+    assert (_digest(out), _digest(out.with_name("out.onnx.data"))) == before
+    assert _leftovers(out.parent) == []
+
+
 def test_inline_models_stay_inline_and_round_trip(tmp_path, rng):
     weights = _weights(rng)
     source = tmp_path / "inline.onnx"

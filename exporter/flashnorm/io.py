@@ -752,6 +752,7 @@ class _Staged:
         except OSError as exc:
             raise FlashNormError(f"cannot write {path}: {exc.strerror}") from None
         self.path, self.temporary = path, Path(temporary)
+        self.committed = False
         os.fchmod(self.fd, 0o666 & ~_umask())
 
     def commit(self) -> None:
@@ -759,11 +760,34 @@ class _Staged:
         os.close(self.fd)
         self.fd = -1
         os.replace(self.temporary, self.path)
+        self.committed = True
 
     def discard(self) -> None:
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.temporary)
+
+
+class _SetAside:
+    """An existing file moved to a temporary name beside it; `restore()` moves it back, `drop()`
+    removes it."""
+
+    def __init__(self, path: Path) -> None:
+        fd, temporary = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".old.tmp", dir=path.parent)
+        os.close(fd)
+        try:
+            os.replace(path, temporary)
+        except BaseException:
+            os.unlink(temporary)
+            raise
+        self.path, self.temporary = path, Path(temporary)
+
+    def restore(self) -> None:
+        os.replace(self.temporary, self.path)
+
+    def drop(self) -> None:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.temporary)
 
@@ -789,7 +813,9 @@ def save(graph: gs.Graph, path: str | os.PathLike[str], *, external_data: bool |
     `external_data=None` chooses it when the loaded model used external data or the
     initializers exceed ~1.8 GB. Unchanged external tensors are copied file-to-file; changed
     tensors are written from their arrays. Both files are written under temporary names and
-    renamed into place (data first) only when complete. The input model and its data are never
+    renamed into place (data first) only when complete; a model already at the destination is
+    moved aside before, so a crash between the two renames leaves no model there rather than
+    one that reads the new data at its old offsets. The input model and its data are never
     modified; saving over the input itself works. Afterwards, lazily loaded constants that
     were written to external data read from the saved data file."""
     destination = Path(path)
@@ -815,6 +841,7 @@ def save(graph: gs.Graph, path: str | os.PathLike[str], *, external_data: bool |
     originals = {id(c): c._values for c in constants}
     streams: list[_Stream] = []
     staged: list[_Staged] = []
+    previous: _SetAside | None = None
     try:
         for constant in constants:
             stream = _stream(constant) if id(constant) in streamable else None
@@ -841,11 +868,24 @@ def save(graph: gs.Graph, path: str | os.PathLike[str], *, external_data: bool |
             model_file = _Staged(destination)
             staged.append(model_file)
             _write_inline_model(model, streams, model_file.fd, destination, label)
+        if external_data and os.path.lexists(destination):
+            # Between the two renames below an old model at the destination would name the new
+            # data file with its own offsets, a model that silently computes something else: it
+            # is moved aside first, so for that moment there is no model there instead.
+            previous = _SetAside(destination)
         for file in staged:  # data first: a committed model file never names missing data
             file.commit()
+        if previous is not None:
+            previous.drop()
     except BaseException:
         for file in staged:
             file.discard()
+        if previous is not None:
+            # The old model goes back only to the data it was written with.
+            if staged[0].committed:
+                previous.drop()
+            else:
+                previous.restore()
         for constant in constants:
             constant._values = originals[id(constant)]
         raise
