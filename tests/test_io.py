@@ -195,15 +195,20 @@ def test_refuses_to_replace_another_models_data(tmp_path, rng):
     assert not (tmp_path / "b.onnx").exists() and _leftovers(tmp_path) == []
 
 
-def test_failed_save_leaves_previous_files_untouched(external_model, monkeypatch, rng):
+def _saved_copy_then_changed(external_model):
+    """The input saved as out.onnx (external data), then its graph's w_up changed in memory."""
     source, _ = external_model
     graph = io.load(source)
     out = source.with_name("out.onnx")
     io.save(graph, out)
-    before = (_digest(out), _digest(out.with_name("out.onnx.data")))
-
     up = _constant(graph, "w_up")
     up.values = up.values * 2.0
+    return graph, out, up
+
+
+def test_failed_save_leaves_previous_files_untouched(external_model, monkeypatch, rng):
+    graph, out, up = _saved_copy_then_changed(external_model)
+    before = (_digest(out), _digest(out.with_name("out.onnx.data")))
     calls = {"n": 0}
     real_copy = io._copy_range
 
@@ -241,12 +246,7 @@ def _fail_commit(monkeypatch, failing_call: int) -> None:
 def test_failure_between_the_two_renames_leaves_no_model_reading_the_new_data(external_model, monkeypatch):
     """Once the new data file is in place, the old model beside it would read it at its old
     offsets: a failure before the model's rename must not leave that pair behind."""
-    source, _ = external_model
-    graph = io.load(source)
-    out = source.with_name("out.onnx")
-    io.save(graph, out)
-    up = _constant(graph, "w_up")
-    up.values = up.values * 2.0
+    graph, out, up = _saved_copy_then_changed(external_model)
     _fail_commit(monkeypatch, failing_call=2)
     with pytest.raises(OSError):
         io.save(graph, out)
@@ -258,13 +258,8 @@ def test_failure_between_the_two_renames_leaves_no_model_reading_the_new_data(ex
 
 
 def test_failed_data_rename_puts_the_previous_model_back(external_model, monkeypatch):
-    source, _ = external_model
-    graph = io.load(source)
-    out = source.with_name("out.onnx")
-    io.save(graph, out)
+    graph, out, _ = _saved_copy_then_changed(external_model)
     before = (_digest(out), _digest(out.with_name("out.onnx.data")))
-    up = _constant(graph, "w_up")
-    up.values = up.values * 2.0
     _fail_commit(monkeypatch, failing_call=1)
     with pytest.raises(OSError):
         io.save(graph, out)
