@@ -46,11 +46,13 @@ def test_folded_model_passes(tiny_llama_onnx, tiny_folded, tmp_path, capsys):
             "--iterations", "2", "--seed", "7", "--generate", "6", "--report", str(tmp_path / "r.json")]
     assert cli.main(argv) == 0
     out = capsys.readouterr().out
-    assert "PASS logits [3, 9, 128]" in out and "6 greedy tokens identical" in out
+    assert "PASS logits [3, 9, 128]" in out
+    assert "generation on onnxruntime (CPUExecutionProvider): 6 greedy tokens identical" in out
     report = json.loads((tmp_path / "r.json").read_text())
     logits = report["outputs"][0]
     assert report["passed"] and logits["rel_l2"] < 1e-5 and logits["top1_agreement"] == 1.0
     assert report["inputs"]["seed"] == 7 and report["generation"]["identical"]
+    assert report["generation"]["runner"] == "onnxruntime (CPUExecutionProvider)"
 
 
 def test_perturbed_model_fails_with_exit_1(tiny_llama_onnx, tmp_path, capsys, rng):

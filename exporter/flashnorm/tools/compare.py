@@ -63,7 +63,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     limits.add_argument("--max-rel-l2", type=float, default=DEFAULT_MAX_REL_L2,
                         help=f"largest allowed ‖a−b‖₂/‖ref‖₂ per output (default {DEFAULT_MAX_REL_L2:g})")
     limits.add_argument("--generate", type=int, default=0, metavar="N",
-                        help="also generate N tokens greedily from both models; fail if any differs")
+                        help="also generate N tokens greedily from both models on ONNX Runtime (even with "
+                             "--trt/--engine: the engine is not run in a generation loop); fail if any differs")
     runtime = parser.add_argument_group("ONNX Runtime")
     runtime.add_argument("--providers", default="CPUExecutionProvider",
                          help="comma-separated execution providers (default CPUExecutionProvider)")
@@ -215,7 +216,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             args.reference, args.candidate, first_ids[0], args.generate,
             session_factory=lambda path: make_session(path, providers=providers, optimization_level=args.optimization_level),
         )
-        report["generation"] = generation.to_dict()
+        # Both models generate on ONNX Runtime whatever ran the candidate above: said in the report.
+        report["generation"] = {**generation.to_dict(), "runner": f"onnxruntime ({', '.join(providers)})"}
         report["passed"] = report["passed"] and generation.passed
     return report
 
@@ -242,10 +244,11 @@ def format_text(report: dict[str, Any]) -> str:
     generation = report.get("generation")
     if generation:
         n = len(generation["reference_tokens"])
+        label = f"generation on {generation['runner']}"
         if generation["identical"]:
-            text += f"\ngeneration: {n} greedy tokens identical"
+            text += f"\n{label}: {n} greedy tokens identical"
         else:
-            text += f"\ngeneration: FAILED, tokens differ from position {generation['first_divergence']} of {n}"
+            text += f"\n{label}: FAILED, tokens differ from position {generation['first_divergence']} of {n}"
         text += f"\n  reference: {generation['reference_tokens']}\n  candidate: {generation['candidate_tokens']}"
         if not generation["identical"]:
             text += "\nFAILED"
