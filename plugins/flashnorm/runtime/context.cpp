@@ -123,6 +123,28 @@ flashnorm_status make_plan(flashnorm_context* context, GemmKey const& key, GemmP
     return FLASHNORM_STATUS_OK;
 }
 
+// Fork: the side stream's work enqueued after this starts only after everything enqueued on
+// `stream` so far, and after the test hook's delay (flashnorm_testing_set_side_delay) if set.
+flashnorm_status fork_side_stream(flashnorm_context* context, cudaStream_t stream)
+{
+    FLASHNORM_CHECK(context, cudaEventRecord(context->fork, stream));
+    FLASHNORM_CHECK(context, cudaStreamWaitEvent(context->side_stream, context->fork, 0));
+    if (context->side_delay_cycles > 0)
+        FLASHNORM_CHECK(context, launch_delay(context->side_delay_cycles, context->side_stream));
+    return FLASHNORM_STATUS_OK;
+}
+
+// Join: what `stream` gets enqueued after this starts only after the side stream's work so far.
+// The race-test mutant (FLASHNORM_TESTING_DROP_JOIN) records the event but drops the wait.
+flashnorm_status join_side_stream(flashnorm_context* context, cudaStream_t stream)
+{
+    FLASHNORM_CHECK(context, cudaEventRecord(context->join, context->side_stream));
+#ifndef FLASHNORM_TESTING_DROP_JOIN
+    FLASHNORM_CHECK(context, cudaStreamWaitEvent(stream, context->join, 0));
+#endif
+    return FLASHNORM_STATUS_OK;
+}
+
 flashnorm_status find_plan(flashnorm_context* context, GemmKey const& key, GemmPlan const** plan)
 {
     auto const existing = context->plans.find(key);
@@ -238,20 +260,18 @@ flashnorm_status run_two_stream(flashnorm_context* context, flashnorm_problem co
     GemmKey const key{problem.m, problem.k, problem.n, problem.n, problem.dtype, product_type, alignment_of(x),
         alignment_of(w), alignment_of(product)};
     GemmPlan const* plan = nullptr;
-    flashnorm_status const status = find_plan(context, key, &plan);
+    flashnorm_status status = find_plan(context, key, &plan);
     if (status != FLASHNORM_STATUS_OK)
     {
         return status;
     }
 
-    // Fork: the side stream starts only after everything the caller enqueued before this call.
-    FLASHNORM_CHECK(context, cudaEventRecord(context->fork, stream));
-    FLASHNORM_CHECK(context, cudaStreamWaitEvent(context->side_stream, context->fork, 0));
-    if (context->side_delay_cycles > 0)
-        FLASHNORM_CHECK(context, launch_delay(context->side_delay_cycles, context->side_stream));
+    // The side stream starts only after everything the caller enqueued before this call.
+    status = fork_side_stream(context, stream);
+    if (status != FLASHNORM_STATUS_OK)
+        return status;
     FLASHNORM_CHECK(
         context, launch_inv_rms(problem.dtype, x, problem.m, problem.k, problem.eps, inv_rms, context->side_stream));
-    FLASHNORM_CHECK(context, cudaEventRecord(context->join, context->side_stream));
 
     float const alpha = 1.f;
     float const beta = 0.f;
@@ -260,10 +280,10 @@ flashnorm_status run_two_stream(flashnorm_context* context, flashnorm_problem co
             plan->product_layout, product, plan->product_layout, &plan->algorithm, gemm_workspace,
             plan->workspace_bytes, stream));
 
-#ifndef FLASHNORM_TESTING_DROP_JOIN
-    // Join: the post-scale reads inv_rms, so the caller's stream waits for the side stream here.
-    FLASHNORM_CHECK(context, cudaStreamWaitEvent(stream, context->join, 0));
-#endif
+    // The post-scale reads inv_rms, so the caller's stream waits for the side stream here.
+    status = join_side_stream(context, stream);
+    if (status != FLASHNORM_STATUS_OK)
+        return status;
     FLASHNORM_CHECK(context,
         launch_post_scale(problem.dtype, product_type, product, inv_rms, problem.m, problem.n, splits, stream));
     return FLASHNORM_STATUS_OK;
@@ -361,24 +381,18 @@ flashnorm_status run_prenorm(flashnorm_context* context, flashnorm_problem const
         // A narrow run's GEMM alone leaves most of the GPU idle (kernels/NOTES.md, prenorm): the
         // narrow ones run on the side stream, one after another on its own cuBLASLt workspace,
         // while the widest runs here. Fork after x̂ and the table are written: they all read them.
-        FLASHNORM_CHECK(context, cudaEventRecord(context->fork, stream));
-        FLASHNORM_CHECK(context, cudaStreamWaitEvent(context->side_stream, context->fork, 0));
-        if (context->side_delay_cycles > 0)
-            FLASHNORM_CHECK(context, launch_delay(context->side_delay_cycles, context->side_stream));
+        flashnorm_status const status = fork_side_stream(context, stream);
+        if (status != FLASHNORM_STATUS_OK)
+            return status;
         for (int r = 0; r < run_count; ++r)
         {
             if (r != widest)
                 FLASHNORM_CHECK(context, gemm(r, base + layout.side_gemm_workspace_offset, context->side_stream));
         }
-        FLASHNORM_CHECK(context, cudaEventRecord(context->join, context->side_stream));
     }
     FLASHNORM_CHECK(context, gemm(widest, base + layout.gemm_workspace_offset, stream));
-#ifndef FLASHNORM_TESTING_DROP_JOIN
-    // Join: the narrow outputs are written before anything the caller enqueues next.
-    if (forked)
-        FLASHNORM_CHECK(context, cudaStreamWaitEvent(stream, context->join, 0));
-#endif
-    return FLASHNORM_STATUS_OK;
+    // The narrow outputs are written before anything the caller enqueues next.
+    return forked ? join_side_stream(context, stream) : FLASHNORM_STATUS_OK;
 }
 
 } // namespace flashnorm
