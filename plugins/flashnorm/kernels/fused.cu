@@ -529,9 +529,8 @@ using NarrowStrip = MmaLayout<32, 8>;
 
 template <typename T, int TokenGroups, typename Layout>
 cudaError_t launch_mma(T const* x, T const* w, int64_t m, int64_t k, int64_t n, float eps,
-    OutputSplits const& splits, int cluster_size, cudaStream_t stream)
+    OutputSplits const& splits, int64_t strips, int cluster_size, cudaStream_t stream)
 {
-    int64_t const strips = (n + Layout::kStripCols - 1) / Layout::kStripCols;
     int64_t const pass_rows = kTokenGroupRows * TokenGroups;
     return launch_row_windows(m, pass_rows, [&](int64_t row0, int64_t rows, unsigned blocks_y) {
         cudaLaunchAttribute cluster{};
@@ -554,12 +553,12 @@ cudaError_t launch_mma(T const* x, T const* w, int64_t m, int64_t k, int64_t n, 
 
 template <typename T, typename Layout>
 cudaError_t launch_mma_rows(T const* x, T const* w, int64_t m, int64_t k, int64_t n, float eps,
-    OutputSplits const& splits, int cluster_size, cudaStream_t stream)
+    OutputSplits const& splits, int64_t strips, int cluster_size, cudaStream_t stream)
 {
     // One B operand (8 tokens) where it covers M: half the mma work and accumulators of two.
     if (m <= kTokenGroupRows)
-        return launch_mma<T, 1, Layout>(x, w, m, k, n, eps, splits, cluster_size, stream);
-    return launch_mma<T, 2, Layout>(x, w, m, k, n, eps, splits, cluster_size, stream);
+        return launch_mma<T, 1, Layout>(x, w, m, k, n, eps, splits, strips, cluster_size, stream);
+    return launch_mma<T, 2, Layout>(x, w, m, k, n, eps, splits, strips, cluster_size, stream);
 }
 
 // Columns per strip. Measured on an H200 (bf16, W* from HBM, M = 1/4/16, forced widths 16/32/128;
@@ -631,8 +630,8 @@ cudaError_t launch_fused_16bit(T const* x, T const* w, int64_t m, int64_t k, int
     int64_t const strips = (n + strip_cols - 1) / strip_cols;
     int const size = tuning.cluster_size > 0 ? tuning.cluster_size : pick_cluster_size(strips, sm_count);
     if (strip_cols == NarrowStrip::kStripCols)
-        return launch_mma_rows<T, NarrowStrip>(x, w, m, k, n, eps, splits, size, stream);
-    return launch_mma_rows<T, WideStrip>(x, w, m, k, n, eps, splits, size, stream);
+        return launch_mma_rows<T, NarrowStrip>(x, w, m, k, n, eps, splits, strips, size, stream);
+    return launch_mma_rows<T, WideStrip>(x, w, m, k, n, eps, splits, strips, size, stream);
 }
 
 template <typename T, typename Layout>
