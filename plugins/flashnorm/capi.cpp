@@ -33,7 +33,12 @@ constexpr int64_t kFusedMaxWeightElementsTwoGroups = int64_t(1) << 25;
 // vs 82.1) and lost below (256 × 2048: 33.7 vs 31.3; 1024 × 384: 10.5 vs 10.7). fp32 GEMMs run on
 // CUDA cores, where the narrow splits cost little: prenorm won at M = 1024 on both sites measured
 // (292.7 vs 306.9, 1030 vs 1086 µs) and lost at M = 256 on one (101.4 vs 83.8).
+// On a large W* in one run prenorm already won at M = 64 (docs/BENCHMARKS.md, 2026-11-29 22:25 and
+// 2026-11-30 00:07 UTC: 2048×16384 23.2 vs 25.2 and 25.1 µs; 4096×28672 61.8 vs 66.9 and 67.0)
+// but not on 576×3072 (7.05 vs 6.47); 2^25 is the smallest such W* measured.
 constexpr int64_t kPrenormMinRows = 256;
+constexpr int64_t kPrenormMinRowsLargeWeight = 64;
+constexpr int64_t kPrenormLargeWeightElements = int64_t(1) << 25;
 constexpr int64_t kPrenormMinNarrowRunElements = int64_t(5) << 18; // 1.25·2^20
 constexpr int64_t kPrenormMinRowsF32 = 1024;
 
@@ -84,7 +89,7 @@ int64_t prenorm_min_rows(flashnorm_problem const& problem)
     flashnorm::SplitRun runs[FLASHNORM_MAX_OUTPUTS];
     int const run_count = flashnorm::split_runs(problem, runs);
     if (run_count == 1)
-        return kPrenormMinRows;
+        return problem.k * problem.n >= kPrenormLargeWeightElements ? kPrenormMinRowsLargeWeight : kPrenormMinRows;
     int64_t narrowest = problem.n;
     for (int r = 0; r < run_count; ++r)
         narrowest = std::min(narrowest, runs[r].width * runs[r].count);

@@ -113,6 +113,12 @@ def test_auto_strategy_through_the_python_binding(built_library, monkeypatch):
     assert kernels.resolve_strategy(4096, 576, 960, torch.bfloat16, [192, 576, 192]) == "two_stream"
     assert kernels.resolve_strategy(255, 576, 3072, torch.bfloat16, [1536, 1536]) == "two_stream"
     assert kernels.resolve_strategy(256, 576, 3072, torch.bfloat16, [1536, 1536]) == "prenorm"
+    assert kernels.resolve_strategy(64, 576, 3072, torch.bfloat16, [1536, 1536]) == "two_stream"
+    assert kernels.resolve_strategy(63, 2048, 16384, torch.bfloat16, [8192, 8192]) == "two_stream"
+    assert kernels.resolve_strategy(64, 2048, 16384, torch.bfloat16, [8192, 8192]) == "prenorm"
+    assert kernels.resolve_strategy(64, 4096, 28672, torch.float16) == "prenorm"
+    assert kernels.resolve_strategy(64, 4096, 6144, torch.bfloat16) == "two_stream"
+    assert kernels.resolve_strategy(64, 2048, 16384, torch.float32) == "two_stream"
     assert kernels.resolve_strategy(1023, 4096, 6144, torch.float32, qkv) == "two_stream"
     assert kernels.resolve_strategy(1024, 4096, 6144, torch.float32, qkv) == "prenorm"
     assert kernels.resolve_strategy(4096, 576, 962, torch.float32) == "prenorm"
@@ -129,11 +135,12 @@ def test_auto_workspace_covers_every_smaller_m(built_library, monkeypatch):
 
     monkeypatch.setenv("FLASHNORM_LIBRARY", str(built_library))
     monkeypatch.setattr(kernels, "_library", None)
-    for k, splits in [(576, [1536, 1536]), (4096, [4096, 1024, 1024]), (130, [24, 72]), (130, [5000])]:
+    sites = [(576, [1536, 1536]), (2048, [8192, 8192]), (4096, [4096, 1024, 1024]), (130, [24, 72]), (130, [5000])]
+    for k, splits in sites:
         for dtype in (torch.float32, torch.float16, torch.bfloat16):
-            for top in (256, 1024, 4096, 60000):
+            for top in (64, 256, 1024, 4096, 60000):
                 largest = kernels.workspace_size(top, k, splits, dtype)
-                for m in (m for m in (1, 16, 17, 255, 256, 1000, 1023, 1024, 4096, 54614, 60000) if m <= top):
+                for m in (m for m in (1, 16, 17, 63, 64, 255, 256, 1000, 1023, 1024, 4096, 54614, 60000) if m <= top):
                     picked = kernels.resolve_strategy(m, k, sum(splits), dtype, splits)
                     needed = kernels.workspace_size(m, k, splits, dtype, picked)
                     assert needed <= largest, (k, splits, dtype, top, m, picked)
