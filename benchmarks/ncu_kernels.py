@@ -91,9 +91,18 @@ def _short_name(kernel: str) -> str:
 def summarize(csv_path: Path, manifest: Path) -> str:
     """A markdown table: per call (site, M, method), its kernels in launch order with the median
     over the repeats of duration (µs), DRAM throughput (% of peak), grid, block and registers."""
-    lines = [line for line in csv_path.read_text().splitlines() if line.startswith('"')]
+    try:
+        lines = [line for line in csv_path.read_text().splitlines() if line.startswith('"')]
+        labels = manifest.read_text().splitlines()
+    except OSError as error:
+        raise SystemExit(f"cannot read {error.filename}: {error.strerror}") from None
     rows = [row for row in csv.DictReader(lines) if row.get("ID", "").strip().isdigit()]
-    labels = manifest.read_text().splitlines()
+    missing = [column for column in ("Kernel Name", *METRICS.values()) if rows and column not in rows[0]]
+    if not rows or missing:
+        raise SystemExit(
+            f"{csv_path} is not ncu's raw CSV with the metrics of this script's docstring "
+            f"({'no kernel rows' if not rows else 'missing ' + ', '.join(missing)})"
+        )
     groups: list[list[dict[str, str]]] = []
     for row in rows:
         if MARKER in row["Kernel Name"]:

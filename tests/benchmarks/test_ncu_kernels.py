@@ -69,3 +69,15 @@ def test_repeats_with_different_kernels_are_refused(tmp_path: Path) -> None:
     kernels = [(spin, 1, 0), ("k", 1_000, 1), (spin, 1, 0), ("k", 1_000, 1), ("k", 1_000, 1)]
     with pytest.raises(SystemExit, match="different kernel counts"):
         ncu_kernels.summarize(*_write(tmp_path, kernels, ["a\t1\tgemm", "a\t1\tgemm"]))
+
+
+def test_a_csv_without_the_metrics_is_refused_in_one_line(tmp_path: Path) -> None:
+    csv_path, manifest = _write(tmp_path, [("cuda::spin_kernel(long)", 1, 0)], ["a\t1\tgemm"])
+    csv_path.write_text(csv_path.read_text().replace("dram__throughput", "dram__bytes"))
+    with pytest.raises(SystemExit, match="missing dram__throughput.avg.pct_of_peak_sustained_elapsed"):
+        ncu_kernels.summarize(csv_path, manifest)
+    csv_path.write_text("==PROF== no kernels were profiled\n")
+    with pytest.raises(SystemExit, match="no kernel rows"):
+        ncu_kernels.summarize(csv_path, manifest)
+    with pytest.raises(SystemExit, match="cannot read .*absent.csv: No such file"):
+        ncu_kernels.summarize(tmp_path / "absent.csv", manifest)
