@@ -92,7 +92,7 @@ int64_t prenorm_min_rows(flashnorm_problem const& problem)
         return problem.k * problem.n >= kPrenormLargeWeightElements ? kPrenormMinRowsLargeWeight : kPrenormMinRows;
     int64_t narrowest = problem.n;
     for (int r = 0; r < run_count; ++r)
-        narrowest = std::min(narrowest, runs[r].width * runs[r].count);
+        narrowest = std::min(narrowest, runs[r].columns());
     int64_t const rows = (kPrenormMinNarrowRunElements + narrowest - 1) / narrowest;
     return rows > kPrenormMinRows ? rows : kPrenormMinRows;
 }
@@ -262,15 +262,12 @@ flashnorm_status flashnorm_testing_set_fused_tuning(
 {
     if (context == nullptr)
         return FLASHNORM_STATUS_INVALID_ARGUMENT;
-    bool const strip_ok = strip_cols == 0 || strip_cols == 32 || strip_cols == 128;
-    bool const cluster_ok = cluster_size == 0 || cluster_size == 1 || cluster_size == 2 || cluster_size == 4
-        || cluster_size == 8;
-    if (!strip_ok || !cluster_ok)
+    flashnorm::FusedTuning const tuning{strip_cols, cluster_size};
+    if (!flashnorm::fused_tuning_supported(tuning))
         return flashnorm::record_error(context, FLASHNORM_STATUS_INVALID_ARGUMENT,
             "flashnorm_testing_set_fused_tuning", "strip_cols must be 0, 32 or 128 and cluster_size 0, 1, 2, 4 or 8",
             "tuning");
-    context->fused_tuning.strip_cols = strip_cols;
-    context->fused_tuning.cluster_size = cluster_size;
+    context->fused_tuning = tuning;
     return FLASHNORM_STATUS_OK;
 }
 

@@ -653,6 +653,15 @@ cudaError_t allow_mma_shared_memory()
 
 } // namespace
 
+bool fused_tuning_supported(FusedTuning const& tuning)
+{
+    int const strip = tuning.strip_cols;
+    int const size = tuning.cluster_size;
+    bool const strip_ok = strip == 0 || strip == NarrowStrip::kStripCols || strip == WideStrip::kStripCols;
+    bool const cluster_ok = size >= 0 && size <= kMaxCluster && (size & (size - 1)) == 0;
+    return strip_ok && cluster_ok;
+}
+
 cudaError_t configure_fused_kernels()
 {
     for (cudaError_t const status : {allow_mma_shared_memory<__half, WideStrip>(),

@@ -63,6 +63,9 @@ struct FusedTuning
     int cluster_size = 0; // blocks per strip, splitting K: 1, 2, 4 or 8
 };
 
+// Whether the fused kernel has the forced layout (0 in a field: automatic).
+bool fused_tuning_supported(FusedTuning const& tuning);
+
 // The fused decode kernel: one launch computes x·W*, sum(x²) and the scaled, split outputs.
 // `sm_count` (multiprocessors of the device) sizes the grid.
 cudaError_t launch_fused(flashnorm_dtype dtype, void const* x, void const* w, int64_t m, int64_t k, int64_t n,

@@ -360,7 +360,7 @@ flashnorm_status run_prenorm(flashnorm_context* context, flashnorm_problem const
         {
             return status;
         }
-        widest = run.width * run.count > runs[widest].width * runs[widest].count ? r : widest;
+        widest = run.columns() > runs[widest].columns() ? r : widest;
     }
 
     float const alpha = 1.f;

@@ -52,6 +52,7 @@ struct SplitRun
     int first;
     int count;
     int64_t width;
+    int64_t columns() const { return width * count; }
 };
 int split_runs(flashnorm_problem const& problem, SplitRun (&runs)[FLASHNORM_MAX_OUTPUTS]);
 
