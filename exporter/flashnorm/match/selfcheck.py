@@ -37,6 +37,9 @@ def self_check(site: NormSite, opset: int, rng: Optional[np.random.Generator] = 
     feeds = {}
     for name in feed_names:
         row_scale = 10.0 ** rng.uniform(-3, 1, size=shape[:-1] + (1,))
+        # One row always at the bottom of the range, where eps is a sizeable part of mean(x²):
+        # otherwise a wrong eps passes whenever every drawn row is large (1 seed in 2000 did).
+        row_scale.flat[0] = 1e-3
         feeds[name] = ((rng.standard_normal(shape) + 0.3) * row_scale).astype(np.float32)
     try:
         import onnxruntime as ort
