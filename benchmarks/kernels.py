@@ -16,7 +16,7 @@ Columns:
   rms+gemm    torch.mm(F.rms_norm(x, (K,), g, eps), W): PyTorch's fused norm kernel + cuBLAS;
   compile     torch.compile (default mode, default settings) of the unfused module
               (fp32 upcast, pow/mean/rsqrt, · gain, matmul), the strongest peer;
-  two_stream, fused, prenorm, auto   flashnorm.kernels.flashnorm_matmul(x, W*, eps, splits, strategy)
+  two_stream, fused, prenorm, epilogue_scale, auto   flashnorm.cuda_ops.flashnorm_matmul(x, W*, eps, splits, strategy)
               writing each split to its own buffer (the torch columns write one [M, N]);
   floor       max(bytes / 4.3 TB/s, 2·M·K·N / 790 TFLOP/s): bytes = x + W + y once each
               (the copy bandwidth and bf16 matrix rate measured on this kind of machine).
@@ -49,7 +49,7 @@ from shapes import EPS, SITES, TOKEN_COUNTS, Site  # noqa: E402
 HBM_BYTES_PER_S = 4.3e12
 BF16_FLOPS_PER_S = 790e12
 CHECK_TOLERANCE = 1e-2  # bf16 outputs: 8 significant bits, fp32 accumulation
-STRATEGIES = ("two_stream", "fused", "prenorm", "auto")
+STRATEGIES = ("two_stream", "fused", "prenorm", "epilogue_scale", "auto")
 COLUMNS = ("gemm", "rms+gemm", "compile", *STRATEGIES)
 
 SetCall = Callable[[int], object]  # runs one call on input set i
@@ -328,9 +328,9 @@ def markdown_tables(rows: list[dict], sites: Sequence[Site]) -> str:
         lines += [
             f"#### {site.label}: {site.describe()}",
             "",
-            "| M | GEMM alone | F.rms_norm + GEMM | torch.compile | two_stream | fused | prenorm | auto (picks) "
-            "| floor | auto / GEMM | (rms+GEMM) / auto | auto / compile | targets |",
-            "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|:---|",
+            "| M | GEMM alone | F.rms_norm + GEMM | torch.compile | two_stream | fused | prenorm | epilogue_scale "
+            "| auto (picks) | floor | auto / GEMM | (rms+GEMM) / auto | auto / compile | targets |",
+            "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|:---|",
         ]
         for r in site_rows:
             t = r["times_us"]
@@ -338,7 +338,7 @@ def markdown_tables(rows: list[dict], sites: Sequence[Site]) -> str:
             met = ", ".join(("✓ " if ok else "✗ ") + name for name, ok in r["targets"].items()) or ""
             lines.append(
                 f"| {r['m']} | {_us(t['gemm'])} | {_us(t['rms+gemm'])} | {_us(t['compile'])} | "
-                f"{_us(t['two_stream'])} | {_us(t['fused'])} | {_us(t['prenorm'])} | "
+                f"{_us(t['two_stream'])} | {_us(t['fused'])} | {_us(t['prenorm'])} | {_us(t['epilogue_scale'])} | "
                 f"{_us(t['auto'])} ({r['auto_resolves_to']}) | {floor} | "
                 f"{_x(r['auto_over_gemm'])} | {_x(r['rms_gemm_over_auto'])} | {_x(r['auto_over_compile'])} | {met} |"
             )
@@ -358,7 +358,7 @@ def crossover_lines(rows: list[dict], sites: Sequence[Site]) -> str:
             t = r["times_us"]
             if t["fused"] is not None and t["two_stream"] is not None and t["fused"] < t["two_stream"]:
                 fused_wins.append(r["m"])
-            candidates = {s: t[s] for s in ("two_stream", "fused", "prenorm") if t[s] is not None}
+            candidates = {s: t[s] for s in ("two_stream", "fused", "prenorm", "epilogue_scale") if t[s] is not None}
             if candidates:
                 best = min(candidates, key=candidates.get)
                 if r["auto_resolves_to"] != best:
@@ -445,19 +445,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         def compile_fn(fn):
             return fn
     else:
-        from flashnorm import kernels
+        from flashnorm import cuda_ops
 
         device, dtype = torch.device("cuda"), torch.bfloat16
         token_counts = args.m
         timer = GraphTimer(args.replays)
         cache_bytes = torch.cuda.get_device_properties(device).L2_cache_size
-        kernels.warm_up()
+        cuda_ops.warm_up()
 
         def op(x, w, eps, splits, strategy, out):
-            return kernels.flashnorm_matmul(x, w, eps, splits=splits, strategy=strategy, out=out)
+            return cuda_ops.flashnorm_matmul(x, w, eps, splits=splits, strategy=strategy, out=out)
 
         def resolve(m: int, site: Site) -> str:
-            return kernels.resolve_strategy(m, site.k, site.n, dtype, site.splits)
+            return cuda_ops.resolve_strategy(m, site.k, site.n, dtype, site.splits)
 
         def compile_fn(fn):
             # A fresh Dynamo cache per site, so no site's recompiles count against another's.
@@ -466,9 +466,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     env = environment(device)
     if not args.smoke:
-        from flashnorm import kernels
+        from flashnorm import cuda_ops
 
-        env.update(library=str(kernels.library_path()), join_dropped=str(kernels.join_dropped()))
+        env.update(library=str(cuda_ops.library_path()), join_dropped=str(cuda_ops.join_dropped()))
     print(json.dumps(env), flush=True)
 
     header = (

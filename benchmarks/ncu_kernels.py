@@ -43,10 +43,10 @@ def profile(token_counts: list[int], site_indices: list[int], methods: list[str]
     import torch
     import torch.nn.functional as F
 
-    from flashnorm import kernels
+    from flashnorm import cuda_ops
 
     torch.manual_seed(0)
-    kernels.warm_up()
+    cuda_ops.warm_up()
     labels: list[str] = []
     for index in site_indices:
         site = SITES[index]
@@ -64,7 +64,7 @@ def profile(token_counts: list[int], site_indices: list[int], methods: list[str]
                 "rms_gemm": lambda: torch.mm(F.rms_norm(x, (site.k,), gain, EPS), w),
             }
             for strategy in ("fused", "two_stream", "prenorm"):
-                calls[strategy] = lambda s=strategy: kernels.flashnorm_matmul(x, w, EPS, site.splits, s, out=outs)
+                calls[strategy] = lambda s=strategy: cuda_ops.flashnorm_matmul(x, w, EPS, site.splits, s, out=outs)
             for method in methods:
                 calls[method]()
             for _ in range(repeats):

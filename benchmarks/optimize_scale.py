@@ -11,7 +11,7 @@ Two models:
 Every measured command runs in its own process; its peak RSS is that process's VmHWM read
 at exit, its time the wall clock around it. The weight-file baseline is
 `cp` of the data file (page cache warm for both, as for the optimizer), with and without an
-fsync, since `flashnorm.io.save` fsyncs before renaming.
+fsync, since `flashnorm.modelio.save` fsyncs before renaming.
 
     python benchmarks/optimize_scale.py --workdir /tmp/fnbench --json results.json
     python benchmarks/optimize_scale.py --smollm /tmp/smollm2.onnx --skip-synthetic
@@ -227,13 +227,14 @@ def _largest_tensor_mb(model: Path) -> tuple[str, float]:
 
 _IO_ONLY = """
 import sys, numpy as np, onnx_graphsurgeon as gs
-from flashnorm import io
+from flashnorm import modelio
+from flashnorm.modelio.values import stored_values
 source, destination, mode = sys.argv[1:4]
-graph = io.load(source)
+graph = modelio.load(source)
 # The fold pass's weight edits without its matcher: q/k/v, gate/up and the LM head scaled
 # row-wise by a float32 gain, W* = diag(g)·W. Modes: none (load + save only); eager (fold's
 # formula, float64 then cast back, into NumPy arrays held until save); derived (the same
-# formula as io.DerivedValues, computed while saving); derived_f32 (io.DerivedValues scaling
+# formula as modelio.DerivedValues, computed while saving); derived_f32 (modelio.DerivedValues scaling
 # the freshly read array in place in float32: bit-identical for float32 weights and gains,
 # since the float64 product of two float32 values is exact; checked below).
 def fold64(w, gain):
@@ -253,16 +254,16 @@ for tensor in weights.values():
         break
     gain = np.random.default_rng().uniform(-2, 2, tensor.shape[0]).astype(np.float32)
     if not checked:
-        reference = fold64(tensor._values.load(), gain)
-        assert np.array_equal(fold32(tensor._values.load(), gain), reference), "float32 fold differs"
+        reference = fold64(stored_values(tensor).load(), gain)
+        assert np.array_equal(fold32(stored_values(tensor).load(), gain), reference), "float32 fold differs"
         checked, reference = True, None
     if mode == "eager":
         tensor.values = fold64(tensor.values, gain)
     else:
         fold = fold64 if mode == "derived" else fold32
-        tensor._values = io.DerivedValues(tensor, lambda w, g=gain, f=fold: f(w, g))
+        tensor.values = modelio.DerivedValues(tensor, lambda w, g=gain, f=fold: f(w, g))
 print(f"modified {0 if mode == 'none' else len(weights)} weights", file=sys.stderr)
-io.save(graph, destination)
+modelio.save(graph, destination)
 """
 
 

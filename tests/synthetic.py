@@ -37,10 +37,11 @@ class GraphBuilder:
         self.nodes.append(helper.make_node(op_type, list(inputs), names, name=self.name(op_type), domain=domain, **attrs))
         return names[0] if outputs == 1 else names
 
-    def model(self, inputs: list[onnx.ValueInfoProto], outputs: Sequence[str]) -> onnx.ModelProto:
+    def model(self, inputs: list[onnx.ValueInfoProto], outputs: Sequence[str],
+              output_type: int = TensorProto.FLOAT) -> onnx.ModelProto:
         graph = helper.make_graph(
             self.nodes, "synthetic", inputs,
-            [helper.make_tensor_value_info(o, TensorProto.FLOAT, None) for o in outputs],
+            [helper.make_tensor_value_info(o, output_type, None) for o in outputs],
             self.initializers,
         )
         opsets = [helper.make_opsetid("", self.opset), helper.make_opsetid("com.microsoft", 1)]
@@ -55,7 +56,12 @@ class GraphBuilder:
         # Contrib ops have no shape inference: give their outputs a symbolic shape of the rank
         # ONNX Runtime produces (the ONNX checker requires a shape on every graph output).
         missing = [o for o in inferred.graph.output if not o.type.tensor_type.HasField("shape")]
-        if missing:
+        if missing and output_type != TensorProto.FLOAT:  # half contrib ops: the shape of `x`
+            rank = len(inputs[0].type.tensor_type.shape.dim)
+            for output in missing:
+                dims = [f"{output.name}_{i}" for i in range(rank)]
+                output.CopyFrom(helper.make_tensor_value_info(output.name, output_type, dims))
+        elif missing:
             results = dict(zip([o.name for o in inferred.graph.output],
                                run(inferred, feeds(inferred, np.random.default_rng()))))
             for output in missing:
@@ -209,10 +215,10 @@ def _gain_for(spelling: str, rng: np.random.Generator, hidden: int) -> np.ndarra
 
 
 def _projections(b: GraphBuilder, y: str, consumer: str, rng: np.random.Generator, hidden: int,
-                 widths: Sequence[int] = (48, 16, 16)) -> list[str]:
-    """Linear consumers of `y`: each output is a graph output."""
+                 widths: Sequence[int] = (48, 16, 16), dtype: np.dtype = np.dtype(np.float32)) -> list[str]:
+    """Linear consumers of `y` with weights (and biases) in `dtype`: each output is a graph output."""
     def weight(k, n):
-        return (rng.standard_normal((k, n)) / np.sqrt(k)).astype(np.float32)
+        return (rng.standard_normal((k, n)) / np.sqrt(k)).astype(dtype)
 
     if consumer == "matmul":
         return [b.op("MatMul", [y, b.const(weight(hidden, widths[0]), "w")])]
@@ -222,14 +228,14 @@ def _projections(b: GraphBuilder, y: str, consumer: str, rng: np.random.Generato
         w = b.op("Transpose", [b.const(weight(widths[0], hidden), "w")], perm=[1, 0])
         return [b.op("MatMul", [y, w])]
     if consumer == "gemm":  # 2-D activations, Gemm transB=1 with bias; Gemm transB=0
-        bias = rng.standard_normal(widths[0]).astype(np.float32)
+        bias = rng.standard_normal(widths[0]).astype(dtype)
         return [
             b.op("Gemm", [y, b.const(weight(widths[0], hidden), "w"), b.const(bias, "bias")], transB=1),
             b.op("Gemm", [y, b.const(weight(hidden, widths[1]), "w")], alpha=0.5),
         ]
     if consumer == "biased":
         return [b.op("Add", [b.op("MatMul", [y, b.const(weight(hidden, n), "w")]),
-                             b.const(rng.standard_normal(n).astype(np.float32), "bias")]) for n in widths]
+                             b.const(rng.standard_normal(n).astype(dtype), "bias")]) for n in widths]
     raise ValueError(f"unknown consumer layout {consumer!r}; known: {CONSUMERS}")
 
 
@@ -257,6 +263,78 @@ def build_norm_model(spelling: str, rng: np.random.Generator, *, consumer: str =
     if b.residual_output is not None:
         outputs.append(b.residual_output)
     return b.model(inputs, outputs)
+
+
+HALF_TYPES = {"float16": TensorProto.FLOAT16, "bfloat16": TensorProto.BFLOAT16, "float32": TensorProto.FLOAT}
+GAIN_STYLES = ("half", "cast", "fp32")
+"""Where a half-precision graph applies the gain: 'half' Mul by a gain stored in the half type
+after the Cast down (transformers' Llama); 'cast' the same with an fp32 gain Cast to the half
+type; 'fp32' Mul in fp32 before the Cast down (Gemma's (1+w.float()), the spelling's own gain)."""
+
+
+def half_dtype(name: str) -> np.dtype:
+    if name == "bfloat16":
+        import ml_dtypes
+
+        return np.dtype(ml_dtypes.bfloat16)
+    return np.dtype(name)
+
+
+def build_half_norm_model(spelling: str, seed: int, dtype: str, *, gain_style: str = "half", consumer: str = "qkv",
+                          hidden: int = 32, eps: float = 1e-5, widths: Sequence[int] = (48, 16, 16)) -> onnx.ModelProto:
+    """`x` (in `dtype`) → RMSNorm computed in fp32 (Cast up, the spelling, Cast down; a fused
+    spelling takes the half tensor itself) → projections with `dtype` weights. The same seed
+    gives the same values for every dtype: `dtype='float32'` is the fp32 original of the
+    half-precision graphs (its Casts are no-ops)."""
+    rng = np.random.default_rng(seed)
+    kind, numpy_type = HALF_TYPES[dtype], half_dtype(dtype)
+    b = GraphBuilder(OPSET.get(spelling, 17))
+    b.residual_output = None
+    rank = 2 if consumer == "gemm" else 3
+    dims = {2: ["tokens"], 3: ["batch", "seq"]}[rank]
+    inputs = [helper.make_tensor_value_info("x", kind, dims + [hidden])]
+    gain = _gain_for(spelling, rng, hidden)
+    if spelling in SPELLING_FAMILY:  # fused: the node reads the half tensor and computes in fp32
+        if spelling == "skip_simplified_layernorm":
+            inputs.append(helper.make_tensor_value_info("skip", kind, dims + [hidden]))
+            y, _, _, b.residual_output = b.op("SkipSimplifiedLayerNormalization", ["x", "skip", b.const(
+                gain.astype(numpy_type), "gain")], outputs=4, domain="com.microsoft", epsilon=eps)
+        elif spelling == "rms_normalization":
+            b.opset = max(b.opset, 23)
+            y = b.op("RMSNormalization", ["x", b.const(gain.astype(numpy_type), "gain")], axis=-1, epsilon=eps)
+        else:
+            y = b.op("SimplifiedLayerNormalization", ["x", b.const(gain.astype(numpy_type), "gain")], axis=-1,
+                     epsilon=eps)
+    else:
+        x32 = b.op("Cast", ["x"], to=TensorProto.FLOAT)
+        if gain_style == "fp32":
+            y = b.op("Cast", [SPELLINGS[spelling](b, x32, gain, eps)], to=kind)
+        else:
+            y = b.op("Cast", [SPELLINGS[spelling](b, x32, None, eps)], to=kind)
+            if gain_style == "half":
+                g = b.const(gain.astype(numpy_type), "gain")
+            else:
+                g = b.op("Cast", [b.const(gain, "gain")], to=kind)
+            y = b.op("Mul", [y, g])
+    outputs = _projections(b, y, consumer, rng, hidden, widths, numpy_type)
+    if b.residual_output is not None:
+        outputs.append(b.residual_output)
+    return b.model(inputs, outputs, kind)
+
+
+def build_multi_arity_model(rng: np.random.Generator, *, hidden: int = 32, widths: Sequence[Sequence[int]] = (
+        (48, 16, 16), (40, 40), (24,)), eps: float = 1e-5) -> onnx.ModelProto:
+    """`x` [batch, seq, hidden] read by one RMSNorm per entry of `widths`, each feeding that many
+    projections of those widths: deferred, they become FlashNormMatMul nodes of different output
+    counts (q|k|v, gate|up, a lone projection) in one model."""
+    b = GraphBuilder(17)
+    outputs = []
+    for group in widths:
+        y = pow_div(b, "x", random_gain(rng, hidden), eps)
+        for width in group:
+            weight = (rng.standard_normal((hidden, width)) / np.sqrt(hidden)).astype(np.float32)
+            outputs.append(b.op("MatMul", [y, b.const(weight, "w")]))
+    return b.model([helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", "seq", hidden])], outputs)
 
 
 def build_attention_block(rng: np.random.Generator, *, kind: str = "qkv_norm", hidden: int = 32, heads: int = 4,

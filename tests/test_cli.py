@@ -170,9 +170,11 @@ def test_model_commands_reject_missing_model(command, tmp_path):
 
 def test_command_formats_its_own_text(tool, capsys):
     tool.action = lambda args: {"passed": True, "norm_sites": 61}
-    tool.format_text = lambda report: f"{report['norm_sites']} RMSNorm sites"
+    tool.format_text = lambda report, verbose: f"{report['norm_sites']} RMSNorm sites{' (every one)' * verbose}"
     assert cli.main(["probe", "1"]) == 0
     assert capsys.readouterr().out.endswith("61 RMSNorm sites\n")
+    assert cli.main(["probe", "1", "-v"]) == 0
+    assert capsys.readouterr().out.endswith("61 RMSNorm sites (every one)\n")
 
 
 @pytest.mark.parametrize("content, message", [(b"\x08\x07 not a protobuf \xff\xfe" * 30, "not an ONNX model"),
@@ -187,3 +189,19 @@ def test_optimize_rejects_a_file_that_is_not_onnx(tmp_path, content, message):
     assert result.returncode == 2, result.stderr
     assert result.stderr.count("\n") == 1 and message in result.stderr, result.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == ["junk.onnx"]
+
+
+@pytest.mark.parametrize("argv", [
+    ["inspect", "{missing}"],
+    ["optimize", "{missing}", "-o", "{tmp}/out.onnx"],
+    ["compare", "{missing}", "{missing}"],
+    ["build", "{missing}", "-o", "{tmp}/out.plan"],
+    ["triton", "--onnx", "{missing}", "--backend", "python", "-o", "{tmp}/repo"],
+], ids=lambda argv: argv[0])
+def test_a_missing_model_is_worded_the_same_by_every_command(argv, tmp_path, capsys):
+    missing = tmp_path / "absent.onnx"
+    code = cli.main([a.format(missing=missing, tmp=tmp_path) for a in argv])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert err == f"flashnorm {argv[0]}: error: model {missing} does not exist or is not a file\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == []

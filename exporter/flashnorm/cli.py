@@ -1,11 +1,14 @@
 """`flashnorm` command line: thin. Each subcommand lives in `flashnorm.tools.<name>`, which
-defines `add_arguments(parser)` and `run(args) -> dict`; this file parses, calls, prints the
-report, and turns a FlashNormError into one line and a non-zero exit."""
+defines `add_arguments(parser)`, `run(args) -> dict` and optionally
+`format_text(report, verbose) -> str`; option groups several commands share are defined once
+in `flashnorm.tools.options`. This file parses, calls, prints the report, and turns a
+FlashNormError into one line and a non-zero exit."""
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.util
 import json
 import sys
 from typing import Any, Sequence
@@ -13,6 +16,7 @@ from typing import Any, Sequence
 from flashnorm import __version__
 from flashnorm.errors import FlashNormError
 from flashnorm.progress import Progress
+from flashnorm.tools.options import add_output_options
 
 # Subcommand name → (module under flashnorm.tools, one-line help). Modules are imported only
 # when their command runs, so `flashnorm --help` needs none of torch/tensorrt/tritonclient.
@@ -24,6 +28,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "build": ("build", "build a TensorRT engine with the FlashNorm plugin"),
     "triton": ("triton", "write a Triton Inference Server model repository"),
     "demo": ("demo", "export SmolLM2-135M, optimize, compare and generate"),
+    "fold-checkpoint": ("fold_checkpoint", "Hugging Face checkpoint or GGUF → Hugging Face checkpoint with weightless norms"),
 }
 
 
@@ -51,11 +56,7 @@ def build_parser(argv: Sequence[str]) -> argparse.ArgumentParser:
     wanted = next((a for a in argv if a in COMMANDS), None)
     for name, (_, help_text) in COMMANDS.items():
         sub = subparsers.add_parser(name, help=help_text, description=help_text)
-        sub.add_argument(
-            "--report", metavar="PATH",
-            help="also write the command's report as JSON to PATH ('-' prints JSON instead of text)",
-        )
-        sub.add_argument("-q", "--quiet", action="store_true", help="print nothing but errors")
+        add_output_options(sub)
         if name == wanted:
             _tool(name).add_arguments(sub)
     return parser
@@ -84,6 +85,17 @@ def _text(value: dict | list, indent: str = "") -> list[str]:
     return lines
 
 
+def _quiet_graphsurgeon() -> None:
+    """onnx-graphsurgeon prints its warnings on stdout (one per bfloat16 tensor: "Could not
+    convert BFLOAT16 to a NumPy type", although FlashNorm reads them through onnx), which
+    would corrupt `--report -`: only its errors are shown."""
+    if importlib.util.find_spec("onnx_graphsurgeon") is None:
+        return
+    from onnx_graphsurgeon.logger import G_LOGGER
+
+    G_LOGGER.severity = max(G_LOGGER.severity, G_LOGGER.ERROR)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     command = next((a for a in argv if a in COMMANDS), "")
@@ -95,11 +107,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.quiet:
         Progress.enabled = False
+    _quiet_graphsurgeon()
     tool = _tool(args.command)
     try:
         report = tool.run(args)
     except FlashNormError as exc:
-        print(f"flashnorm {args.command}: error: {exc}", file=sys.stderr)
+        print(f"flashnorm {args.command}: {exc.label}: {exc}", file=sys.stderr)
         return exc.exit_code
     except OSError as exc:  # the disk or the file system said no: not a FlashNorm bug
         print(f"flashnorm {args.command}: error: {exc}", file=sys.stderr)
@@ -122,7 +135,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             plain = to_jsonable(report)
             format_text = getattr(tool, "format_text", None)  # a tool may render its own table
             if format_text is not None:
-                print(format_text(plain))
+                print(format_text(plain, verbose=args.verbose))
             else:
                 print("\n".join(_text(plain)) if isinstance(plain, (dict, list)) else plain)
     failed = isinstance(report, dict) and report.get("passed") is False

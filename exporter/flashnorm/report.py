@@ -5,9 +5,10 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-from typing import Any
+import re
+from typing import Any, Iterable
 
-from flashnorm.io import atomic_write
+from flashnorm.files import atomic_write
 
 
 @dataclasses.dataclass
@@ -42,6 +43,17 @@ class PassReport:
             "counts": counts,
             "sites": [dataclasses.asdict(d) for d in self.decisions],
         }
+
+
+def grouped_reasons(decisions: Iterable[tuple[str, str]]) -> list[tuple[str, list[str]]]:
+    """(reason, sites) for (site, reason) pairs whose reasons differ only in the names they
+    quote: each reason once, names elided where its sites disagree, in order of first sight."""
+    groups: dict[str, tuple[list[str], list[str]]] = {}
+    for site, reason in decisions:
+        reasons, sites = groups.setdefault(re.sub(r"'[^']*'", "'…'", reason), ([], []))
+        reasons.append(reason)
+        sites.append(site)
+    return [(reasons[0] if len(set(reasons)) == 1 else key, sites) for key, (reasons, sites) in groups.items()]
 
 
 def to_jsonable(value: Any) -> Any:

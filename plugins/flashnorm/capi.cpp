@@ -10,37 +10,40 @@
 namespace
 {
 
-// AUTO, measured on an NVIDIA H200 (bf16, W* from HBM, CUDA-graph replay; plugins/flashnorm/kernels/NOTES.md
-// and docs/BENCHMARKS.md): the fused kernel where it beat two-stream. With one B operand of 8 tokens
-// (M <= 8) it did on every W* measured (2048×16384, M=4: 20.5 vs 22.1 µs; 4096×6144: 16.8 vs 18.8;
-// 4096×28672, the largest: 58.8 vs 60.1 at M=1 and 60.5 vs 61.8 at M=4 on 2026-11-29 20:46 UTC,
-// faster or tied in 5 of 6 runs that day, 66.4 vs 60.2 in one). With two (9..16 rows), since its
-// epilogue exchanges whole accumulator fragments (2026-11-29 ≈ 22:50 UTC, M=16): on every W* up to
-// 2048×16384 (576×960: 4.6 vs 5.6; 2048×3072: 8.1 vs 8.8; 4096×6144: 18.2 vs 19.1; 2048×16384:
-// 22.1 vs 22.6), not on 4096×28672 (65.1 vs 63.3). The CUDA-core fallback (fp32, N % 8 != 0, odd K)
-// is never picked (fp32 1×2048×3072: 46.7 µs fused, 8.0 µs two-stream).
-constexpr int64_t kFusedMaxRows = 16;
-constexpr int64_t kFusedMaxRowsOneGroup = 8;
-constexpr int64_t kFusedMaxWeightElementsTwoGroups = int64_t(1) << 25;
-// Prenorm (kernels/NOTES.md, "prenorm"): two-stream's post-scale reads and writes the N-wide output
-// once more, prenorm's extra pass is over the K-wide input; but prenorm runs one GEMM per run of
-// consecutive equal-width splits (a pointer-array batched GEMM for a run of several), and a narrow
-// run (k|v: 384-2048 columns) is a GEMM too small to fill the GPU. Measured (bf16, H200,
-// W* from HBM, 2026-11-29): where all splits form one run (gate|up, a single output) prenorm beat
-// two-stream from M = 256 on every site (576×3072: 7.3 vs 9.6 µs; 4096×28672: 96.6 vs 107.8);
-// with a narrow run it won where M × (narrowest run) >= 1.5·2^20 (4096 × 384: 18.4 vs 19.7
-// µs; 4096 × 1024: 79.1 vs 94.9), tied around 2^20 (1024 × 1024: 27.1 vs 27.3; 1024 × 2048: 82.2
-// vs 82.1) and lost below (256 × 2048: 33.7 vs 31.3; 1024 × 384: 10.5 vs 10.7). fp32 GEMMs run on
-// CUDA cores, where the narrow splits cost little: prenorm won at M = 1024 on both sites measured
-// (292.7 vs 306.9, 1030 vs 1086 µs) and lost at M = 256 on one (101.4 vs 83.8).
-// On a large W* in one run prenorm already won at M = 64 (docs/BENCHMARKS.md, 2026-11-29 22:25 and
-// 2026-11-30 00:07 UTC: 2048×16384 23.2 vs 25.2 and 25.1 µs; 4096×28672 61.8 vs 66.9 and 67.0)
-// but not on 576×3072 (7.05 vs 6.47); 2^25 is the smallest such W* measured.
-constexpr int64_t kPrenormMinRows = 256;
-constexpr int64_t kPrenormMinRowsLargeWeight = 64;
-constexpr int64_t kPrenormLargeWeightElements = int64_t(1) << 25;
-constexpr int64_t kPrenormMinNarrowRunElements = int64_t(5) << 18; // 1.25·2^20
-constexpr int64_t kPrenormMinRowsF32 = 1024;
+// AUTO's crossovers: the one table of thresholds AUTO picks a strategy by (libflashnorm.so and the
+// TensorRT plugin run this same code). Each was measured on an NVIDIA H200 with bf16, W* from HBM
+// and CUDA-graph replay; what was measured, where and when is in kernels/NOTES.md ("AUTO's table").
+struct AutoTable
+{
+    // fused: at most this many rows (two 8-token B operands) ...
+    int64_t fused_max_rows;
+    // ... always up to this many rows (one B operand) ...
+    int64_t fused_max_rows_one_group;
+    // ... and beyond it only while K·N is at most this (fused's re-read of W* per 8 rows).
+    int64_t fused_max_weight_two_groups;
+    // prenorm, where all splits form one run: from this many rows ...
+    int64_t prenorm_min_rows;
+    // ... or from this many where K·N is at least prenorm_large_weight;
+    int64_t prenorm_min_rows_large_weight;
+    int64_t prenorm_large_weight;
+    // with a narrower run: also M × (narrowest run width) at least this;
+    int64_t prenorm_min_narrow_run_elements;
+    // fp32 (CUDA-core GEMMs): from this many rows, whatever the splits.
+    int64_t prenorm_min_rows_f32;
+    // epilogue-scale is in no row of this table: on 2026-12-01 it measured slower than the strategy
+    // AUTO picks in every cell timed (kernels/NOTES.md, "epilogue-scale"), so AUTO never picks it.
+};
+
+constexpr AutoTable kAuto{
+    /*fused_max_rows=*/16,
+    /*fused_max_rows_one_group=*/8,
+    /*fused_max_weight_two_groups=*/int64_t(1) << 25,
+    /*prenorm_min_rows=*/256,
+    /*prenorm_min_rows_large_weight=*/64,
+    /*prenorm_large_weight=*/int64_t(1) << 25,
+    /*prenorm_min_narrow_run_elements=*/int64_t(5) << 18,
+    /*prenorm_min_rows_f32=*/1024,
+};
 
 bool valid_dtype(flashnorm_dtype dtype)
 {
@@ -50,7 +53,23 @@ bool valid_dtype(flashnorm_dtype dtype)
 bool valid_strategy(flashnorm_strategy strategy)
 {
     return strategy == FLASHNORM_STRATEGY_AUTO || strategy == FLASHNORM_STRATEGY_TWO_STREAM
-        || strategy == FLASHNORM_STRATEGY_FUSED || strategy == FLASHNORM_STRATEGY_PRENORM;
+        || strategy == FLASHNORM_STRATEGY_FUSED || strategy == FLASHNORM_STRATEGY_PRENORM
+        || strategy == FLASHNORM_STRATEGY_EPILOGUE_SCALE;
+}
+
+// Why the epilogue-scale strategy cannot run this call, or "" when it can.
+char const* epilogue_scale_refusal(flashnorm_context const& context, flashnorm_problem const& problem,
+    void const* x, void const* w)
+{
+    if (!flashnorm::epilogue_scale_built())
+        return "epilogue_scale is not in this build (CUTLASS headers were not found at configure time)";
+    if (!context.epilogue_scale_usable)
+        return "epilogue_scale needs a compute capability 9.0 device (sm_90a code)";
+    if (problem.dtype == FLASHNORM_DTYPE_F32)
+        return "epilogue_scale is fp16/bf16 only (the sm90 tensor-core GEMM has no fp32 operands)";
+    if (!flashnorm::epilogue_scale_operands_fit(problem.dtype, x, w, problem.k, problem.n))
+        return "epilogue_scale needs K and N multiples of 8 and 16-byte aligned x and W* (TMA)";
+    return "";
 }
 
 // Empty when the problem is well formed, else what is wrong with it.
@@ -85,16 +104,17 @@ char const* problem_error(flashnorm_problem const* problem)
 int64_t prenorm_min_rows(flashnorm_problem const& problem)
 {
     if (problem.dtype == FLASHNORM_DTYPE_F32)
-        return kPrenormMinRowsF32;
+        return kAuto.prenorm_min_rows_f32;
     flashnorm::SplitRun runs[FLASHNORM_MAX_OUTPUTS];
     int const run_count = flashnorm::split_runs(problem, runs);
     if (run_count == 1)
-        return problem.k * problem.n >= kPrenormLargeWeightElements ? kPrenormMinRowsLargeWeight : kPrenormMinRows;
+        return problem.k * problem.n >= kAuto.prenorm_large_weight ? kAuto.prenorm_min_rows_large_weight
+                                                                 : kAuto.prenorm_min_rows;
     int64_t narrowest = problem.n;
     for (int r = 0; r < run_count; ++r)
         narrowest = std::min(narrowest, runs[r].columns());
-    int64_t const rows = (kPrenormMinNarrowRunElements + narrowest - 1) / narrowest;
-    return rows > kPrenormMinRows ? rows : kPrenormMinRows;
+    int64_t const rows = (kAuto.prenorm_min_narrow_run_elements + narrowest - 1) / narrowest;
+    return rows > kAuto.prenorm_min_rows ? rows : kAuto.prenorm_min_rows;
 }
 
 flashnorm_strategy resolve(flashnorm_problem const& problem)
@@ -106,10 +126,11 @@ flashnorm_strategy resolve(flashnorm_problem const& problem)
     bool const tensor_cores
         = problem.dtype != FLASHNORM_DTYPE_F32 && flashnorm::fused_tensor_core_shape(problem.k, problem.n);
     int64_t const weight = problem.k * problem.n;
-    bool const fused_wins = problem.m <= kFusedMaxRowsOneGroup
-        || (problem.m <= kFusedMaxRows && weight <= kFusedMaxWeightElementsTwoGroups);
+    bool const fused_wins = problem.m <= kAuto.fused_max_rows_one_group
+        || (problem.m <= kAuto.fused_max_rows && weight <= kAuto.fused_max_weight_two_groups);
     return tensor_cores && fused_wins ? FLASHNORM_STRATEGY_FUSED : FLASHNORM_STRATEGY_TWO_STREAM;
 }
+
 
 // Bytes `strategy` (resolved, never AUTO) needs for exactly this problem.
 size_t workspace_bytes_for(flashnorm_problem const& problem, flashnorm_strategy strategy)
@@ -117,6 +138,7 @@ size_t workspace_bytes_for(flashnorm_problem const& problem, flashnorm_strategy 
     switch (strategy)
     {
     case FLASHNORM_STRATEGY_FUSED: return 0;
+    case FLASHNORM_STRATEGY_EPILOGUE_SCALE: return flashnorm::epilogue_scale_workspace_bytes(problem.m);
     case FLASHNORM_STRATEGY_PRENORM:
     {
         flashnorm::SplitRun runs[FLASHNORM_MAX_OUTPUTS];
@@ -216,6 +238,13 @@ flashnorm_status flashnorm_matmul(flashnorm_context* context, flashnorm_problem 
     }
 
     flashnorm_strategy const strategy = resolve(*problem);
+    if (strategy == FLASHNORM_STRATEGY_EPILOGUE_SCALE)
+    {
+        char const* const refusal = epilogue_scale_refusal(*context, *problem, x, w);
+        if (*refusal != '\0')
+            return flashnorm::record_error(
+                context, FLASHNORM_STATUS_UNSUPPORTED, "flashnorm_matmul", refusal, "strategy");
+    }
     if (strategy == FLASHNORM_STRATEGY_FUSED)
     {
         FLASHNORM_CHECK(context,
@@ -229,6 +258,13 @@ flashnorm_status flashnorm_matmul(flashnorm_context* context, flashnorm_problem 
             "workspace missing, smaller than flashnorm_workspace_size() or not 256-byte aligned", "workspace");
     if (strategy == FLASHNORM_STRATEGY_PRENORM)
         return flashnorm::run_prenorm(context, *problem, x, w, splits, workspace, stream);
+    if (strategy == FLASHNORM_STRATEGY_EPILOGUE_SCALE)
+    {
+        FLASHNORM_CHECK(context,
+            flashnorm::launch_epilogue_scale(problem->dtype, x, w, problem->m, problem->k, problem->n, problem->eps,
+                splits, static_cast<float*>(workspace), context->sm_count, context->side_delay_cycles, stream));
+        return FLASHNORM_STATUS_OK;
+    }
     return flashnorm::run_two_stream(context, *problem, x, w, splits, workspace, stream);
 }
 
@@ -269,6 +305,13 @@ flashnorm_status flashnorm_testing_set_fused_tuning(
             "tuning");
     context->fused_tuning = tuning;
     return FLASHNORM_STATUS_OK;
+}
+
+int flashnorm_strategy_available(flashnorm_context const* context, flashnorm_strategy strategy)
+{
+    if (strategy == FLASHNORM_STRATEGY_EPILOGUE_SCALE)
+        return context != nullptr && context->epilogue_scale_usable ? 1 : 0;
+    return valid_strategy(strategy) ? 1 : 0;
 }
 
 int flashnorm_testing_join_dropped(void)

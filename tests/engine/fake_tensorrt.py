@@ -1,8 +1,9 @@
 """A stand-in for the parts of the `tensorrt` module that flashnorm.engine.build drives.
 
 It models what the build code relies on — the ONNX parser makes a plugin layer from a
-FlashNormMatMul node only while the FlashNormMatMul creator is registered, dynamic input
-dimensions are -1, a build returns a serialized blob, a timing cache round-trips — and
+FlashNormMatMul<N> node only while that creator is registered, dynamic input dimensions are
+-1, a build returns a serialized blob, a timing cache round-trips, the runtime cannot
+deserialize the blob (there is no GPU) — and
 records every setting, so tests can check what FlashNorm asked TensorRT for. It does not
 pretend to build anything: the "engine" is a JSON record of the request.
 """
@@ -13,18 +14,31 @@ import json
 import types
 from pathlib import Path
 
+import enum
+
 import onnx
+
+from flashnorm import contract
 
 
 def make_module(version: str = "10.15.1") -> types.ModuleType:
     trt = types.ModuleType("tensorrt")
     trt.__version__ = version
 
-    class Logger:
-        VERBOSE, WARNING = 4, 2
+    class ILogger:
+        class Severity(enum.IntEnum):
+            INTERNAL_ERROR, ERROR, WARNING, INFO, VERBOSE = 0, 1, 2, 3, 4
 
-        def __init__(self, level):
-            self.level = level
+        def __init__(self):
+            pass
+
+    class Runtime:
+        def __init__(self, logger):
+            self.logger = logger
+
+        def deserialize_cuda_engine(self, plan):
+            self.logger.log(ILogger.Severity.ERROR, "no CUDA device in this stand-in")
+            return None
 
     class NetworkDefinitionCreationFlag:
         STRONGLY_TYPED = 2
@@ -32,8 +46,9 @@ def make_module(version: str = "10.15.1") -> types.ModuleType:
     class OnnxParserFlag:
         ENABLE_PLUGIN_OVERRIDE = 3
 
-    class LayerType:
+    class LayerType(enum.Enum):
         PLUGIN_V3 = "PLUGIN_V3"
+        REDUCE = "REDUCE"
         OTHER = "OTHER"
 
     class MemoryPoolType:
@@ -51,7 +66,7 @@ def make_module(version: str = "10.15.1") -> types.ModuleType:
         def load_library(self, path):
             self.libraries.append(path)
             if "flashnorm" in Path(path).name:
-                self.creators.add(("FlashNormMatMul", "1", "flashnorm"))
+                self.creators.update((contract.op_type(n), "1", "flashnorm") for n in range(1, contract.MAX_OUTPUTS + 1))
             return object()
 
         def get_creator(self, name, version, namespace):
@@ -112,9 +127,10 @@ def make_module(version: str = "10.15.1") -> types.ModuleType:
                     continue
                 dims = tuple(d.dim_value if d.HasField("dim_value") else -1 for d in value.type.tensor_type.shape.dim)
                 self.network.inputs.append(Tensor(value.name, dims))
-            plugin = registry.get_creator("FlashNormMatMul", "1", "flashnorm") is not None
             for node in model.graph.node:
-                kind = LayerType.PLUGIN_V3 if (node.op_type == "FlashNormMatMul" and plugin) else LayerType.OTHER
+                plugin = registry.get_creator(node.op_type, "1", "flashnorm") is not None
+                kind = LayerType.PLUGIN_V3 if (contract.is_deferred_node(node.op_type, node.domain) and plugin) else (
+                    LayerType.REDUCE if node.op_type == "ReduceMean" else LayerType.OTHER)
                 self.network.layers.append(Layer(node.name, kind))
             self.network.parser_flags = sorted(self.flags)
             return True
@@ -186,7 +202,7 @@ def make_module(version: str = "10.15.1") -> types.ModuleType:
             }
             return json.dumps(record).encode()
 
-    trt.Logger, trt.Builder, trt.OnnxParser = Logger, Builder, OnnxParser
+    trt.ILogger, trt.Runtime, trt.Builder, trt.OnnxParser = ILogger, Runtime, Builder, OnnxParser
     trt.NetworkDefinitionCreationFlag, trt.OnnxParserFlag, trt.LayerType = NetworkDefinitionCreationFlag, OnnxParserFlag, LayerType
     trt.MemoryPoolType, trt.IProgressMonitor = MemoryPoolType, IProgressMonitor
     trt.get_plugin_registry = lambda: registry

@@ -20,7 +20,7 @@ import numpy as np
 import onnx_graphsurgeon as gs
 import pytest
 
-from flashnorm import cli, io
+from flashnorm import cli, modelio
 from flashnorm.engine import BuildOptions, ShapeRange, build_engine_file, loader
 from flashnorm.errors import FlashNormError
 from flashnorm.passes import run_passes
@@ -40,7 +40,7 @@ def deferred_model(rng, tmp_path, monkeypatch) -> Path:
     monkeypatch.setattr(Progress, "enabled", False)
     graph, _ = run_passes(gs.import_onnx(build_norm_model("pow_div", rng, consumer="qkv")), ["fold", "defer"])
     path = tmp_path / "model.flashnorm.onnx"
-    io.save(graph, path)
+    modelio.save(graph, path)
     return path
 
 
@@ -63,22 +63,49 @@ def leftovers(directory: Path) -> list[str]:
     return [p.name for p in directory.iterdir() if p.name.endswith(".tmp")]
 
 
-@pytest.mark.skipif(HAVE_TENSORRT, reason="tensorrt is installed here")
-def test_without_tensorrt_says_what_to_install(deferred_model, tmp_path, capsys):
+@pytest.fixture
+def no_tensorrt(monkeypatch):
+    """A process where neither TensorRT nor TensorRT-RTX can be imported."""
+    monkeypatch.setitem(sys.modules, "tensorrt", None)
+    monkeypatch.setitem(sys.modules, "tensorrt_rtx", None)
+
+
+@pytest.mark.parametrize("backend, message", [
+    ("auto", "no TensorRT backend is installed: pip install tensorrt-cu13"),
+    ("tensorrt", "pip install tensorrt-cu13"),
+    ("tensorrt-rtx", "pip install tensorrt-rtx-cu13==1.7.1.116"),
+])
+def test_without_tensorrt_says_what_to_install(no_tensorrt, deferred_model, tmp_path, capsys, backend, message):
     plan = tmp_path / "model.plan"
-    code = cli.main(["build", str(deferred_model), "-o", str(plan), "--shapes", "x:1x1x32,2x8x32,4x64x32"])
+    code = cli.main(["build", str(deferred_model), "-o", str(plan), "--shapes", "x:1x1x32,2x8x32,4x64x32",
+                     "--backend", backend])
     err = capsys.readouterr().err.strip()
-    assert code != 0
-    assert len(err.splitlines()) == 1 and "pip install tensorrt" in err
+    assert code == 2
+    assert len(err.splitlines()) == 1 and message in err, err
     assert not plan.exists() and not leftovers(tmp_path)
 
 
-@pytest.mark.skipif(HAVE_TENSORRT, reason="tensorrt is installed here")
-def test_compare_with_trt_without_tensorrt_says_what_to_install(deferred_model):
+def test_compare_with_trt_without_tensorrt_says_what_to_install(no_tensorrt, deferred_model):
     from flashnorm.engine import trt_runner_factory
 
     with pytest.raises(FlashNormError, match="pip install tensorrt"):
         trt_runner_factory(plugins=[])(str(deferred_model), "candidate")
+
+
+def test_auto_prefers_tensorrt(fake_trt, deferred_model, tmp_path):
+    report = build_engine_file(deferred_model, tmp_path / "model.plan", BuildOptions(shapes={"x": PROFILE}))
+    assert report["backend"] == "tensorrt" and report["tensorrt"] == fake_trt.__version__
+
+
+def test_report_says_what_the_engine_is_made_of(fake_trt, deferred_model, plugin_file, tmp_path):
+    report = build_engine_file(deferred_model, tmp_path / "model.plan",
+                               BuildOptions(plugins=[plugin_file], shapes={"x": PROFILE}))
+    network = report["network"]
+    assert network["flashnorm_plugin_layers"] == 1 and network["layer_types"]["PLUGIN_V3"] == 1
+    assert network["layers"] == sum(network["layer_types"].values())
+    # No GPU in the stand-in: the inspector says why it has nothing to show.
+    assert report["engine_inspector"] == {
+        "available": False, "reason": "the engine cannot be deserialized here: no CUDA device in this stand-in"}
 
 
 def test_build_request(fake_trt, deferred_model, plugin_file, tmp_path):
@@ -136,7 +163,7 @@ def test_shapes_must_match_the_network(fake_trt, deferred_model, plugin_file, tm
 def test_library_without_the_creator_is_refused(fake_trt, deferred_model, tmp_path):
     other = tmp_path / "libother.so"
     other.write_bytes(b"\x7fELF")
-    with pytest.raises(FlashNormError, match="no FlashNormMatMul creator"):
+    with pytest.raises(FlashNormError, match="no FlashNormMatMul1 creator"):
         build_engine_file(deferred_model, tmp_path / "model.plan", BuildOptions(plugins=[other], shapes={"x": PROFILE}))
 
 
@@ -175,8 +202,8 @@ def test_tensorrt_with_plugin_matches_onnx_runtime(rng, tmp_path, monkeypatch):
     folded, _ = run_passes(gs.import_onnx(model), ["fold"])
     deferred, _ = run_passes(gs.import_onnx(model), ["fold", "defer"])
     folded_path, deferred_path = tmp_path / "folded.onnx", tmp_path / "deferred.onnx"
-    io.save(folded, folded_path)
-    io.save(deferred, deferred_path)
+    modelio.save(folded, folded_path)
+    modelio.save(deferred, deferred_path)
     feeds = [{"x": (rng.standard_normal((2, 7, 64)) * 2).astype(np.float32)}]
     shapes = {"x": ShapeRange((1, 1, 64), (2, 7, 64), (4, 32, 64))}
     report = compare_models(folded_path, deferred_path, feeds,

@@ -213,7 +213,7 @@ def test_strip_prefix_renames_consistently(rng):
 def test_large_models_are_saved_with_external_data(rng, tmp_path, monkeypatch):
     import flashnorm.export.onnx_export as onnx_export
 
-    monkeypatch.setattr(onnx_export, "_EXTERNAL_DATA_BYTES", 1000)
+    monkeypatch.setattr(onnx_export, "EXTERNAL_DATA_THRESHOLD", 1000)
     table = rng.standard_normal((64, 32)).astype(np.float32)
     path = tmp_path / "big.onnx"
     save_model(_head_model(table, table.T.copy()), path)

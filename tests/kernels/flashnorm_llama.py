@@ -14,7 +14,7 @@ and the norm itself replaced by Identity (the op computes rsqrt(mean(x²)+eps) i
 
 A FlashNorm op is any callable `op(x, w_kn, eps, splits) -> list[Tensor]` computing
 `(x · w_kn) ⊙ rsqrt(mean(x², -1) + eps)` split by columns: the real one is
-`flashnorm.kernels.flashnorm_matmul`; `reference_flashnorm_op` is the same math in PyTorch.
+`flashnorm.cuda_ops.flashnorm_matmul`; `reference_flashnorm_op` is the same math in PyTorch.
 
 Real SmolLM2 weights are not used (they cannot reach the GPU machine); the model is a seeded
 random initialisation of the same architecture with random norm gains, a quarter of them

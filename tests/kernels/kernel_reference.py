@@ -11,12 +11,12 @@ import torch
 TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
 
 
-def kernels_module():
+def cuda_ops_module():
     """The binding with its library loaded: a missing library fails the test, never skips it."""
-    from flashnorm import kernels
+    from flashnorm import cuda_ops
 
-    kernels.warm_up()
-    return kernels
+    cuda_ops.warm_up()
+    return cuda_ops
 
 
 def random_inputs(
@@ -45,11 +45,11 @@ def prenorm_reference(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Ten
     return (x64 * inv_rms).to(x.dtype).double() @ w.double()
 
 
-def strategy_reference(kernels, x: torch.Tensor, w: torch.Tensor, eps: float, splits, strategy: str) -> torch.Tensor:
+def strategy_reference(cuda_ops, x: torch.Tensor, w: torch.Tensor, eps: float, splits, strategy: str) -> torch.Tensor:
     """The float64 result `strategy` (AUTO resolved first) must match within TOLERANCE: `reference`,
     or `prenorm_reference` for prenorm. x is [M, K]."""
     if strategy == "auto":
-        strategy = kernels.resolve_strategy(x.shape[0], x.shape[1], w.shape[1], x.dtype, splits)
+        strategy = cuda_ops.resolve_strategy(x.shape[0], x.shape[1], w.shape[1], x.dtype, splits)
     return prenorm_reference(x, w, eps) if strategy == "prenorm" else reference(x, w, eps)
 
 

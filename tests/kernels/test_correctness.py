@@ -12,7 +12,7 @@ import torch
 from kernel_reference import (
     TOLERANCE,
     generator_from,
-    kernels_module,
+    cuda_ops_module,
     magnitude_errors,
     prenorm_reference,
     random_inputs,
@@ -41,14 +41,14 @@ SHAPES = [
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("m", ROWS)
 def test_matches_float64_reference(m, dtype, strategy, rng):
-    kernels = kernels_module()
+    cuda_ops = cuda_ops_module()
     generator = generator_from(rng)
     for k, splits in SHAPES:
         eps = float(rng.choice([1e-6, 1e-5, 1e-2]))
         x, w = random_inputs(generator, m, k, sum(splits), dtype)
         outputs = [torch.full((m, size), float("nan"), dtype=dtype, device="cuda") for size in splits]
-        returned = kernels.flashnorm_matmul(x, w, eps, splits=splits, strategy=strategy, out=outputs)
-        expected = strategy_reference(kernels, x, w, eps, splits, strategy)
+        returned = cuda_ops.flashnorm_matmul(x, w, eps, splits=splits, strategy=strategy, out=outputs)
+        expected = strategy_reference(cuda_ops, x, w, eps, splits, strategy)
         assert all(a is b for a, b in zip(returned, outputs))
         for got, wanted in zip(outputs, torch.split(expected, splits, dim=-1)):
             worst = row_errors(got, wanted).max().item()
@@ -61,11 +61,11 @@ def test_matches_float64_reference(m, dtype, strategy, rng):
         )
 
 
-def assert_fused_matches_reference(kernels, generator, m, k, splits, dtype, label: str = "") -> None:
+def assert_fused_matches_reference(cuda_ops, generator, m, k, splits, dtype, label: str = "") -> None:
     """One fused call on fresh random inputs into NaN-poisoned outputs, against float64."""
     x, w = random_inputs(generator, m, k, sum(splits), dtype)
     outputs = [torch.full((m, size), float("nan"), dtype=dtype, device="cuda") for size in splits]
-    kernels.flashnorm_matmul(x, w, 1e-5, splits=splits, strategy="fused", out=outputs)
+    cuda_ops.flashnorm_matmul(x, w, 1e-5, splits=splits, strategy="fused", out=outputs)
     for got, wanted in zip(outputs, torch.split(reference(x, w, 1e-5), splits, dim=-1)):
         worst = row_errors(got, wanted).max().item()
         assert worst <= TOLERANCE[dtype], f"{label} m={m} k={k} splits={splits} {dtype}: worst row error {worst:.3g}"
@@ -77,10 +77,10 @@ def assert_fused_matches_reference(kernels, generator, m, k, splits, dtype, labe
 def test_fused_long_k_and_wide_n(m, dtype, rng):
     """Long K (the fused kernel's copy pipeline wraps many times) and wide N (4, 2 and 1 blocks per
     column strip on an H200), with a K tail that is not a multiple of 16."""
-    kernels = kernels_module()
+    cuda_ops = cuda_ops_module()
     generator = generator_from(rng)
     for k, splits in [(4096, [8192]), (2050, [4104, 4096]), (1040, [40000])]:
-        assert_fused_matches_reference(kernels, generator, m, k, splits, dtype)
+        assert_fused_matches_reference(cuda_ops, generator, m, k, splits, dtype)
 
 
 @pytest.mark.gpu
@@ -90,17 +90,17 @@ def test_fused_long_k_and_wide_n(m, dtype, rng):
 def test_fused_every_strip_and_cluster(dtype, strip_cols, cluster_size, rng):
     """Every tensor-core layout the automatic choice may pick, forced: N not a multiple of the
     strip, K tails, one and two token groups, and a K long enough that each warp's copy ring wraps."""
-    kernels = kernels_module()
+    cuda_ops = cuda_ops_module()
     generator = generator_from(rng)
-    kernels.set_fused_tuning(strip_cols, cluster_size)
+    cuda_ops.set_fused_tuning(strip_cols, cluster_size)
     try:
         for m in (1, 5, 9, 16):
             for k, splits in [(264, [40, 8, 16, 24]), (130, [24, 72]), (2050, [4104, 8])]:
                 assert_fused_matches_reference(
-                    kernels, generator, m, k, splits, dtype, f"strip={strip_cols} cluster={cluster_size}"
+                    cuda_ops, generator, m, k, splits, dtype, f"strip={strip_cols} cluster={cluster_size}"
                 )
     finally:
-        kernels.set_fused_tuning(0, 0)
+        cuda_ops.set_fused_tuning(0, 0)
 
 
 @pytest.mark.gpu
@@ -109,7 +109,7 @@ def test_fused_every_strip_and_cluster(dtype, strip_cols, cluster_size, rng):
 def test_misaligned_outputs(dtype, strategy, rng):
     """Outputs that start 1, 3 and 5 elements into one buffer (contiguous, not 16-byte aligned):
     the library GEMMs that write them directly (prenorm) must pick kernels those addresses allow."""
-    kernels = kernels_module()
+    cuda_ops = cuda_ops_module()
     generator = generator_from(rng)
     m, k, splits = 300, 256, [64, 40, 24]
     x, w = random_inputs(generator, m, k, sum(splits), dtype)
@@ -118,8 +118,8 @@ def test_misaligned_outputs(dtype, strategy, rng):
     for size in splits:
         outputs.append(storage[start : start + m * size].view(m, size))
         start += m * size + 2
-    kernels.flashnorm_matmul(x, w, 1e-5, splits=splits, strategy=strategy, out=outputs)
-    expected = strategy_reference(kernels, x, w, 1e-5, splits, strategy)
+    cuda_ops.flashnorm_matmul(x, w, 1e-5, splits=splits, strategy=strategy, out=outputs)
+    expected = strategy_reference(cuda_ops, x, w, 1e-5, splits, strategy)
     for got, wanted in zip(outputs, torch.split(expected, splits, dim=-1)):
         worst = row_errors(got, wanted).max().item()
         assert worst <= TOLERANCE[dtype], f"{dtype} {strategy}: worst row error {worst:.3g}"
@@ -144,7 +144,7 @@ def test_prenorm_equal_splits_in_any_memory_order(splits, dtype, placement, rng)
     """Prenorm runs consecutive equal-width splits as one pointer-array batched GEMM, whatever
     the placement of their outputs: each output must be right and nothing between or around them
     written."""
-    kernels = kernels_module()
+    cuda_ops = cuda_ops_module()
     generator = generator_from(rng)
     m, k = 37, 200
     x, w = random_inputs(generator, m, k, sum(splits), dtype)
@@ -162,7 +162,7 @@ def test_prenorm_equal_splits_in_any_memory_order(splits, dtype, placement, rng)
             starts.append(start)
             start += size + gap
     outputs = [storage[begin : begin + size].view(m, width) for begin, size, width in zip(starts, sizes, splits)]
-    kernels.flashnorm_matmul(x, w, 1e-5, splits=splits, strategy="prenorm", out=outputs)
+    cuda_ops.flashnorm_matmul(x, w, 1e-5, splits=splits, strategy="prenorm", out=outputs)
     for got, wanted in zip(outputs, torch.split(prenorm_reference(x, w, 1e-5), splits, dim=-1)):
         worst = row_errors(got, wanted).max().item()
         assert worst <= TOLERANCE[dtype], f"{placement} {splits} {dtype}: worst row error {worst:.3g}"
@@ -178,13 +178,13 @@ def test_prenorm_equal_splits_in_any_memory_order(splits, dtype, placement, rng)
 def test_prenorm_rows_longer_than_registers(m, dtype, rng):
     """K beyond what the normalize kernel keeps in registers (more than 1024 16-byte vectors per
     row): the second pass re-reads x; one K a vector multiple, one with a tail."""
-    kernels = kernels_module()
+    cuda_ops = cuda_ops_module()
     generator = generator_from(rng)
     per_vector = 128 // torch.finfo(dtype).bits  # elements in 16 bytes
     for k in (1025 * per_vector, 1025 * per_vector + 3):
         x, w = random_inputs(generator, m, k, 48, dtype)
         outputs = [torch.full((m, size), float("nan"), dtype=dtype, device="cuda") for size in (40, 8)]
-        kernels.flashnorm_matmul(x, w, 1e-5, splits=[40, 8], strategy="prenorm", out=outputs)
+        cuda_ops.flashnorm_matmul(x, w, 1e-5, splits=[40, 8], strategy="prenorm", out=outputs)
         for got, wanted in zip(outputs, torch.split(prenorm_reference(x, w, 1e-5), [40, 8], dim=-1)):
             worst = row_errors(got, wanted).max().item()
             assert worst <= TOLERANCE[dtype], f"m={m} k={k} {dtype}: worst row error {worst:.3g}"
@@ -192,11 +192,11 @@ def test_prenorm_rows_longer_than_registers(m, dtype, rng):
 
 @pytest.mark.gpu
 def test_leading_dimensions_and_allocated_outputs(rng):
-    kernels = kernels_module()
+    cuda_ops = cuda_ops_module()
     generator = generator_from(rng)
     x, w = random_inputs(generator, 2 * 3, 256, 96, torch.bfloat16)
     x = x.reshape(2, 3, 256)
-    q, kv = kernels.flashnorm_matmul(x, w, 1e-5, splits=[64, 32])
+    q, kv = cuda_ops.flashnorm_matmul(x, w, 1e-5, splits=[64, 32])
     assert q.shape == (2, 3, 64) and kv.shape == (2, 3, 32)
     expected = reference(x.reshape(6, 256), w, 1e-5)
     assert row_errors(torch.cat([q, kv], dim=-1).reshape(6, 96), expected).max().item() <= TOLERANCE[torch.bfloat16]
@@ -206,31 +206,31 @@ def test_leading_dimensions_and_allocated_outputs(rng):
 def test_fused_tuning_rejects_unknown_layouts():
     from flashnorm.errors import FlashNormError
 
-    kernels = kernels_module()
+    cuda_ops = cuda_ops_module()
     with pytest.raises(FlashNormError, match="strip_cols must be"):
-        kernels.set_fused_tuning(64, 1)
+        cuda_ops.set_fused_tuning(64, 1)
     with pytest.raises(FlashNormError, match="cluster_size"):
-        kernels.set_fused_tuning(16, 3)
+        cuda_ops.set_fused_tuning(16, 3)
 
 
 def test_rejects_bad_arguments_before_the_library():
-    from flashnorm import kernels
+    from flashnorm import cuda_ops
     from flashnorm.errors import FlashNormError
 
     x = torch.ones(2, 8)
     w = torch.ones(8, 4)
     with pytest.raises(FlashNormError, match="CUDA device"):
-        kernels.flashnorm_matmul(x, w, 1e-5)
+        cuda_ops.flashnorm_matmul(x, w, 1e-5)
     with pytest.raises(FlashNormError, match="one dtype"):
-        kernels.flashnorm_matmul(x, w.half(), 1e-5)
+        cuda_ops.flashnorm_matmul(x, w.half(), 1e-5)
 
 
 def test_missing_library_names_where_it_looked(monkeypatch, tmp_path):
-    from flashnorm import kernels
+    from flashnorm import cuda_ops
     from flashnorm.errors import FlashNormError
 
     missing = tmp_path / "libflashnorm.so"
     monkeypatch.setenv("FLASHNORM_LIBRARY", str(missing))
-    monkeypatch.setattr(kernels, "_library", None)
+    monkeypatch.setattr(cuda_ops, "_library", None)
     with pytest.raises(FlashNormError, match=str(missing)):
-        kernels.join_dropped()
+        cuda_ops.join_dropped()

@@ -5,7 +5,7 @@ sometimes read the RMS buffer before the side stream had written it. Unit tests 
 perplexity passed; long generations repeated words with a one-step lag. These tests run what
 caught it: a SmolLM2-135M-architecture Llama (seeded random weights, random signed norm
 gains; real weights cannot reach the GPU machine) generating 1024 tokens with a KV cache,
-every norm→projection site replaced by `flashnorm.kernels.flashnorm_matmul` on the folded
+every norm→projection site replaced by `flashnorm.cuda_ops.flashnorm_matmul` on the folded
 weight, compared step by step with transformers' own model on the same tokens.
 
 Schedule: a 32-token prefill (the multi-row path), then single-token decode steps (M = 1);
@@ -22,12 +22,14 @@ Checks per variant:
 - fp32: the FlashNorm model's greedy choice equals the reference's at all 512 greedy steps,
   so its own greedy continuation is identical for 512 tokens.
 
-The `race` variant forces the two-stream strategy and delays the side stream's reduction
-(`set_side_delay`), so that a missing join reads a stale buffer on every call; it passes on a
+The `race` variants force the two-stream strategy (fp32) and the epilogue-scale strategy (bf16,
+its GEMM launched early by programmatic dependent launch) and delay their reduction
+(`set_side_delay`), so that a missing join (event wait, griddepcontrol.wait) reads a stale buffer
+on every call; it passes on a
 normal build and must fail on the mutation build (`-DFLASHNORM_TESTING_DROP_JOIN=ON`,
 benchmarks/run_gpu.sh checks both).
 
-Runtime: five 1024-token runs (fp32 and bf16 reference, three FlashNorm variants), each
+Runtime: six 1024-token runs (fp32 and bf16 reference, four FlashNorm variants), each
 18-32 s on the H200 machine (eager transformers at batch 1: 20-30 ms a step).
 benchmarks/run_gpu.sh runs the variants in parallel (pytest -n 4): 120 s measured, with the
 mutant run sharing the GPU (docs/BENCHMARKS.md, "Long generation").
@@ -117,15 +119,15 @@ def test_harness_passes_exact_math_and_catches_a_stale_scale(rng):
     assert raced_cmp.max_error > 100 * FP32_TOLERANCE, raced_cmp.summary()
 
 
-def _kernels():
-    from flashnorm import kernels
+def _cuda_ops():
+    from flashnorm import cuda_ops
     from flashnorm.errors import FlashNormError
 
     try:
-        kernels.warm_up()
+        cuda_ops.warm_up()
     except (FlashNormError, OSError) as error:
         pytest.skip(f"FlashNorm kernel library unavailable: {error}")
-    return kernels
+    return cuda_ops
 
 
 @pytest.fixture(scope="module")
@@ -165,22 +167,25 @@ def bf16_reference(references):
         pytest.param(torch.float32, "auto", 0, id="fp32-auto"),
         pytest.param(torch.bfloat16, "auto", 0, id="bf16-auto"),
         pytest.param(torch.float32, "two_stream", RACE_SIDE_DELAY_CYCLES, id="fp32-two_stream-race"),
+        pytest.param(torch.bfloat16, "epilogue_scale", RACE_SIDE_DELAY_CYCLES, id="bf16-epilogue_scale-race"),
     ],
 )
 def test_long_generation_matches_reference(request, references, dtype, strategy, side_delay):
-    kernels = _kernels()
+    cuda_ops = _cuda_ops()
+    if not cuda_ops.strategy_available(strategy):
+        pytest.skip(f"{strategy} is not in this library build or not on this device")
 
     def op(x, w, eps, splits):
-        return kernels.flashnorm_matmul(x, w, eps, splits=splits, strategy=strategy)
+        return cuda_ops.flashnorm_matmul(x, w, eps, splits=splits, strategy=strategy)
 
     started = time.perf_counter()
     model = fl.flashnorm_llama(references["master"], op).to("cuda", dtype)
-    kernels.set_side_delay(side_delay)
+    cuda_ops.set_side_delay(side_delay)
     try:
         _, logits = fl.run_generation(model, SCHEDULE, references["prompt"], tokens=references["tokens"])
         torch.cuda.synchronize()
     finally:
-        kernels.set_side_delay(0)
+        cuda_ops.set_side_delay(0)
     elapsed = time.perf_counter() - started
 
     tokens = references["tokens"]

@@ -1,5 +1,7 @@
 """The side-stream joins under load. two_stream: the side-stream RMS is held back (test hook) long
-enough that a post-scale not ordered after it reads the previous call's inv_rms. prenorm: the
+enough that a post-scale not ordered after it reads the previous call's inv_rms. epilogue_scale:
+its reduction, once it has let the GEMM start (programmatic dependent launch), is held back the
+same way, so a GEMM epilogue that does not wait for it (griddepcontrol.wait) reads stale scales. prenorm: the
 narrow splits' GEMMs on the side stream are held back the same way, so a caller's next operation
 not ordered after them reads the previous call's outputs. Every call's inputs have different row
 norms, so such a stale read is wrong by orders of magnitude. 1000 calls run back to back on a
@@ -14,17 +16,28 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernel_reference import TOLERANCE, generator_from, kernels_module, random_inputs, reference, row_errors
+from kernel_reference import TOLERANCE, generator_from, cuda_ops_module, random_inputs, reference, row_errors
 
 CALLS = 1000
 SIDE_DELAY_CYCLES = 200_000  # ≈100 µs at H200 clocks: far longer than the GEMM it overlaps
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("strategy", ["two_stream", "prenorm"])
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+@pytest.mark.parametrize(
+    ("strategy", "dtype"),
+    [
+        ("two_stream", torch.bfloat16),
+        ("two_stream", torch.float32),
+        ("prenorm", torch.bfloat16),
+        ("prenorm", torch.float32),
+        ("epilogue_scale", torch.bfloat16),
+    ],
+    ids=str,
+)
 def test_back_to_back_calls_with_delayed_side_stream_stay_correct(dtype, strategy, rng):
-    kernels = kernels_module()
+    cuda_ops = cuda_ops_module()
+    if not cuda_ops.strategy_available(strategy):
+        pytest.skip(f"{strategy} is not in this library build or not on this device")
     generator = generator_from(rng)
     m, k, splits = 8, 512, [256, 64, 64]
     n = sum(splits)
@@ -37,20 +50,20 @@ def test_back_to_back_calls_with_delayed_side_stream_stay_correct(dtype, strateg
     # writes them late, and a freed result's memory could by then hold another call's cuBLASLt
     # workspace (whose split-K counters, so overwritten, can stall the GPU instead of failing).
     results = []
-    kernels.set_side_delay(SIDE_DELAY_CYCLES)
+    cuda_ops.set_side_delay(SIDE_DELAY_CYCLES)
     try:
         with torch.cuda.stream(stream):
             for call in range(CALLS):
                 pieces = list(torch.split(outputs[call], splits, dim=-1))
-                results.append(kernels.flashnorm_matmul(xs[call], w, 1e-5, splits=splits, strategy=strategy))
+                results.append(cuda_ops.flashnorm_matmul(xs[call], w, 1e-5, splits=splits, strategy=strategy))
                 for piece, result in zip(pieces, results[-1]):
                     piece.copy_(result)
         torch.cuda.synchronize()
     finally:
-        kernels.set_side_delay(0)
+        cuda_ops.set_side_delay(0)
     errors = row_errors(outputs.reshape(CALLS * m, n), reference(xs.reshape(CALLS * m, k), w, 1e-5))
     bad_calls = (errors.reshape(CALLS, m) > TOLERANCE[dtype]).any(dim=1).nonzero().flatten().tolist()
     assert not bad_calls, (
         f"{len(bad_calls)} of {CALLS} calls wrong (first {bad_calls[:10]}, worst row error "
-        f"{errors.max().item():.3g}); join dropped in this build: {kernels.join_dropped()}"
+        f"{errors.max().item():.3g}); join dropped in this build: {cuda_ops.join_dropped()}"
     )

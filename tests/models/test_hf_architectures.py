@@ -20,6 +20,9 @@ range than the default so that logits are O(1) and argmax ties cannot occur by a
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
+import os
+import subprocess
 from pathlib import Path
 from typing import Any, Callable
 
@@ -256,3 +259,45 @@ def test_gemma4_cancel_error_within_eps_bound(tmp_path, rng):
     assert with_cancel.rel_l2 > 10 * fold_only.rel_l2, "cancel changed nothing measurable: was a division removed?"
     assert with_cancel.rel_l2 < 4 * predicted, (with_cancel.rel_l2, predicted)
     assert with_cancel.scaled_max_abs < 10 * predicted, (with_cancel.scaled_max_abs, predicted)
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
+def test_deferred_runs_in_onnx_runtime_and_builds_in_tensorrt_rtx(case: Case, tmp_path, rng):
+    """fold, cancel and defer: ONNX Runtime runs the deferred file (each FlashNormMatMul<N>
+    through its reference function) with the folded file's logits, and TensorRT-RTX's real
+    ONNX parser and builder turn it into an engine with a dynamic profile up to 1×512 tokens
+    (no plugin: TensorRT-RTX has no plugin layers); both also after `polygraphy surgeon
+    sanitize --fold-constants`."""
+    if importlib.util.find_spec("tensorrt_rtx") is None:
+        if os.environ.get("CI") == "true":
+            pytest.fail("tensorrt_rtx is not installed: CI installs it with the [dev] extra")
+        pytest.skip("tensorrt_rtx is not installed (pip install -e '.[dev]')")
+    from flashnorm.engine import BuildOptions, ShapeRange, build_serialized_engine
+
+    original = _export(case, False, tmp_path, rng)
+    folded, deferred = tmp_path / "folded.onnx", tmp_path / "deferred.onnx"
+    optimize_file(original, folded, ("fold", "cancel"))
+    report = optimize_file(original, deferred, ("fold", "cancel", "defer"))
+    assert _counts(report) == (case.folded, case.cancelled)
+    # Every folded norm is deferred, except those cancel removed (their division is gone).
+    deferred_sites = report["summary"].get("defer.deferred", 0)
+    assert deferred_sites == case.folded - case.cancelled, report["summary"]
+
+    # `polygraphy surgeon sanitize --fold-constants`, the usual step before TensorRT, rewrites the
+    # file through onnx-graphsurgeon: the result must run and build the same way.
+    sanitized = tmp_path / "sanitized.onnx"
+    result = subprocess.run(["polygraphy", "surgeon", "sanitize", str(deferred), "--fold-constants",
+                             "-o", str(sanitized)], capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-2000:]
+
+    signature = read_signature(original)
+    feeds = [language_model_feeds(signature, random_token_ids(signature.vocab_size, 2, 11, rng))]
+    tokens = ShapeRange((1, 1), (1, 64), (1, 512))
+    for candidate in (deferred, sanitized):
+        logits = compare_models(folded, candidate, feeds, max_rel_l2=1e-5).output("logits")
+        assert logits.rel_l2 < 1e-5 and logits.top1_agreement == 1.0, (candidate.name, logits)
+        _, build = build_serialized_engine(candidate, BuildOptions(
+            backend="tensorrt-rtx", shapes={name: tokens for name in signature.input_names}, optimization_level=0,
+            progress=False))
+        assert build["flashnorm_nodes"] == deferred_sites and build["flashnorm_plugin_layers"] == 0
+        assert build["network"]["mean_reductions"] == case.sites - case.cancelled, build["network"]

@@ -39,12 +39,12 @@ def max_error(rng):
 
 @pytest.fixture
 def external_reads(monkeypatch):
-    """[(tensor name, whether io.save was running)] for every external weight read."""
-    from flashnorm import io
+    """[(tensor name, whether modelio.save was running)] for every external weight read."""
+    from flashnorm import modelio
 
     reads: list[tuple[str, bool]] = []
     saving = [False]
-    real_load, real_save = io.ExternalValues.load, io.save
+    real_load, real_save = modelio.ExternalValues.load, modelio.save
 
     def load(self):
         reads.append((self.tensor.name, saving[0]))
@@ -57,6 +57,6 @@ def external_reads(monkeypatch):
         finally:
             saving[0] = False
 
-    monkeypatch.setattr(io.ExternalValues, "load", load)
-    monkeypatch.setattr(io, "save", save)
+    monkeypatch.setattr(modelio.ExternalValues, "load", load)
+    monkeypatch.setattr(modelio, "save", save)
     return reads

@@ -10,18 +10,21 @@ import onnx_graphsurgeon as gs
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from flashnorm import io
+from flashnorm import contract, modelio
 from flashnorm.passes import run_passes
-from flashnorm.passes.defer import DOMAIN, OP_TYPE, add_reference_functions, defer, reference_function
-from synthetic import CONSUMERS, SPELLINGS, GraphBuilder, build_attention_block, build_norm_model, pow_div
+from flashnorm.passes.defer import defer
+from flashnorm.reference_functions import reference_function
+from synthetic import (
+    CONSUMERS, SPELLINGS, GraphBuilder, build_attention_block, build_multi_arity_model, build_norm_model, pow_div,
+)
 
 # The fused Skip form normalizes a residual sum computed inside its own node: never deferred.
 DEFERRABLE = sorted(s for s in SPELLINGS if s != "skip_simplified_layernorm")
 
 
 def export(graph: gs.Graph) -> onnx.ModelProto:
-    """What flashnorm.io.save writes: the graph plus the reference functions."""
-    return add_reference_functions(gs.export_onnx(graph))
+    """What flashnorm.modelio.save writes: the graph, its reference functions among its functions."""
+    return gs.export_onnx(graph)
 
 
 def fold_then(model: onnx.ModelProto, passes: list[str]) -> tuple[onnx.ModelProto, dict]:
@@ -30,7 +33,7 @@ def fold_then(model: onnx.ModelProto, passes: list[str]) -> tuple[onnx.ModelProt
 
 
 def flashnorm_nodes(model: onnx.ModelProto) -> list[onnx.NodeProto]:
-    return [n for n in model.graph.node if n.op_type == OP_TYPE]
+    return [n for n in model.graph.node if contract.is_deferred_node(n.op_type, n.domain)]
 
 
 def attribute(node: onnx.NodeProto, name: str) -> onnx.AttributeProto:
@@ -39,13 +42,16 @@ def attribute(node: onnx.NodeProto, name: str) -> onnx.AttributeProto:
 
 def assert_plugin_encoding(model: onnx.ModelProto, node: onnx.NodeProto, eps: float) -> None:
     """The attributes as TensorRT's parser will read them, and the function ORT will run."""
-    assert node.domain == DOMAIN
+    assert node.domain == contract.DOMAIN
+    assert node.op_type == f"FlashNormMatMul{len(node.output)}"
     assert attribute(node, "plugin_version").type == onnx.AttributeProto.STRING
     assert attribute(node, "plugin_version").s == b"1"
     assert attribute(node, "plugin_namespace").type == onnx.AttributeProto.STRING
     assert attribute(node, "plugin_namespace").s == b"flashnorm"
     assert attribute(node, "eps").type == onnx.AttributeProto.FLOAT
     assert attribute(node, "eps").f == pytest.approx(eps, rel=1e-6)
+    assert attribute(node, "strategy").type == onnx.AttributeProto.INT
+    assert attribute(node, "strategy").i == 0  # auto; present so that the parser finds every plugin field
     splits = attribute(node, "splits")
     assert splits.type == onnx.AttributeProto.INTS
     assert len(splits.ints) == len(node.output)
@@ -53,10 +59,12 @@ def assert_plugin_encoding(model: onnx.ModelProto, node: onnx.NodeProto, eps: fl
     assert all(0 < s < 2**31 for s in splits.ints)
     weight = next(i for i in model.graph.initializer if i.name == node.input[1])
     assert list(weight.dims) == [weight.dims[0], sum(splits.ints)]
-    assert any(o.domain == DOMAIN and o.version == 1 for o in model.opset_import)
-    assert model.ir_version >= 10
-    functions = [f for f in model.functions if f.domain == DOMAIN and f.name == OP_TYPE and f.overload == node.overload]
-    assert len(functions) == 1 and len(functions[0].output) == len(node.output)
+    assert any(o.domain == contract.DOMAIN and o.version == 1 for o in model.opset_import)
+    assert model.ir_version >= 8
+    # TensorRT's parser finds a function by name alone: exactly one per name, no overloads.
+    functions = [f for f in model.functions if f.name == node.op_type]
+    assert len(functions) == 1 and functions[0].domain == contract.DOMAIN and not functions[0].overload
+    assert len(functions[0].output) == len(node.output)
 
 
 @pytest.mark.parametrize("spelling", DEFERRABLE)
@@ -118,7 +126,7 @@ def test_unfolded_gain_is_not_deferred(rng):
     graph, report = defer(gs.import_onnx(model))
     assert report.count("deferred") == 0
     assert "run fold first" in report.decisions[0].reason
-    assert OP_TYPE not in {n.op for n in graph.nodes}
+    assert not [n for n in graph.nodes if contract.is_deferred_node(n.op, n.domain)]
 
 
 def test_skip_form_is_reported_not_deferred(rng):
@@ -270,25 +278,35 @@ def test_low_opset_is_reported(rng):
     assert report.count("deferred") == 0 and "opset 13" in report.decisions[0].reason
 
 
-def test_reference_functions_are_idempotent_and_per_arity(rng):
-    model = build_norm_model("pow_div", rng, consumer="qkv")
-    deferred, _ = fold_then(model, ["fold", "defer"])
-    again = add_reference_functions(onnx.ModelProto.FromString(deferred.SerializeToString()))
-    assert [(f.name, f.overload) for f in again.functions] == [(f.name, f.overload) for f in deferred.functions]
-    assert [f.overload for f in deferred.functions] == ["outputs3"]
-    assert len(reference_function(2, 18).output) == 2
+def test_one_function_per_arity_survives_graphsurgeon(rng, max_error):
+    """A model with q|k|v (3 outputs), gate|up (2) and a single projection (1): one function
+    per op type, none overloaded, so a parser that looks functions up by name finds each
+    node's own body. A round trip through onnx-graphsurgeon (what `polygraphy surgeon
+    sanitize` does) keeps them all, and ONNX Runtime still runs the result."""
+    block = build_multi_arity_model(rng)
+    folded, _ = fold_then(block, ["fold"])
+    deferred, reports = fold_then(block, ["fold", "defer"])
+    arities = sorted(len(n.output) for n in flashnorm_nodes(deferred))
+    assert arities == [1, 2, 3], arities
+    assert sorted((f.name, f.domain, f.overload) for f in deferred.functions) == sorted(
+        {(f"FlashNormMatMul{n}", contract.DOMAIN, "") for n in arities})
+    again = gs.export_onnx(gs.import_onnx(deferred))
+    assert sorted(f.name for f in again.functions) == sorted(f.name for f in deferred.functions)
+    onnx.checker.check_model(again, full_check=True)
+    assert max_error(folded, again) < 1e-5
+    assert list(reference_function(2, 18).output) == ["y0", "y1"]
 
 
 def test_save_and_reload_through_flashnorm_io(rng, tmp_path, max_error):
-    """flashnorm.io.save writes the functions; loading and saving the deferred file again
+    """flashnorm.modelio.save writes the functions; loading and saving the deferred file again
     (another pass run) keeps it valid."""
     model = build_norm_model("pow_div", rng, consumer="qkv")
     folded, _ = fold_then(model, ["fold"])
     graph, _ = run_passes(gs.import_onnx(model), ["fold", "defer"])
     first = tmp_path / "deferred.onnx"
-    io.save(graph, first)
+    modelio.save(graph, first)
     second = tmp_path / "again.onnx"
-    io.save(io.load(first), second)
+    modelio.save(modelio.load(first), second)
     for path in (first, second):
         saved = onnx.load(str(path))
         onnx.checker.check_model(saved, full_check=True)

@@ -7,7 +7,7 @@ in a process without TensorRT. Where TensorRT's lean runtime is also present (th
 tensorrt-lean-cu13-libs, or FLASHNORM_TRT_LEAN_LIB), the harness registers the plugin through
 that runtime's plugin registry — IPluginRegistry::loadLibrary and plain dlopen — and creates,
 inspects, serializes and clones plugins as TensorRT would (its CPU part; the GPU part runs on
-the GPU machine through plugins/flashnorm/trt/harness/run_gpu.sh).
+the GPU machine through plugins/flashnorm/tests/run_gpu_trt_harness.sh).
 """
 
 from __future__ import annotations
@@ -69,7 +69,8 @@ def built(tmp_path_factory) -> dict[str, Path]:
     assert "FlashNorm TensorRT plugin: building against TensorRT" in configure.stdout
     make = _run(["cmake", "--build", str(build), "--target", "flashnorm_trt_harness", "--parallel", "2"])
     assert make.returncode == 0, make.stdout[-4000:] + make.stderr[-4000:]
-    paths = {"plugin": build / "lib" / "libflashnorm_plugin.so", "harness": build / "bin" / "flashnorm_trt_harness"}
+    paths = {"plugin": build / "lib" / "libflashnorm_plugin.so",
+             "harness": build / "plugins" / "flashnorm" / "tests" / "flashnorm_trt_harness"}
     assert all(p.is_file() for p in paths.values()), paths
     return paths
 
@@ -127,7 +128,51 @@ def test_lean_runtime_registry(built, route):
     assert result.returncode == 0 and not failures, result.stdout[-4000:] + result.stderr[-2000:]
     passed = [line for line in lines if line.startswith("PASS")]
     assert len(passed) >= 45, result.stdout
-    assert "PASS registry holds exactly one FlashNormMatMul creator (found 1)" in lines
+    assert "PASS registry holds each of FlashNormMatMul1..8 exactly once" in lines
+    assert "PASS FlashNormMatMul3 refuses splits of 2 sizes" in lines
     assert "PASS serialized fields round-trip through createPlugin(kRUNTIME)" in lines
     if route == "loadLibrary":
-        assert "PASS deregisterLibrary removes the creator" in lines
+        assert "PASS deregisterLibrary removes the creators" in lines
+
+
+RTX_PROBE = """
+import ctypes, sys
+import tensorrt_rtx as trt
+
+route, plugin, model = sys.argv[1:4]
+registry = trt.get_plugin_registry()
+if route == "loadLibrary":
+    registry.load_library(plugin)
+else:
+    ctypes.CDLL(plugin)
+creators = [c.name for c in registry.all_creators if c.name.startswith("FlashNormMatMul")]
+logger = trt.Logger(trt.Logger.ERROR)
+network = trt.Builder(logger).create_network(1 << int(trt.NetworkDefinitionCreationFlag.STRONGLY_TYPED))
+parser = trt.OnnxParser(network, logger)
+parsed = parser.parse_from_file(model)
+plugins = sum(network.get_layer(i).type == trt.LayerType.PLUGIN_V3 for i in range(network.num_layers))
+print("creators", len(creators), "parsed", parsed, "errors", parser.num_errors, "plugin_layers", plugins)
+"""
+
+
+@pytest.mark.parametrize("route", ["loadLibrary", "dlopen"])
+def test_tensorrt_rtx_registry_gets_no_creators_and_never_aborts(built, route, tmp_path, rng):
+    """TensorRT-RTX has no plugin layers; with a FlashNormMatMul creator registered its parser
+    creates the plugin and then aborts the process. Loaded into TensorRT-RTX by either route,
+    the library registers nothing, and a deferred model with 1-, 2- and 3-output nodes parses
+    from its reference functions in a process that exits normally."""
+    if importlib.util.find_spec("tensorrt_rtx") is None:
+        pytest.skip("tensorrt_rtx not installed (pip install tensorrt-rtx-cu13==1.7.1.116)")
+    import onnx_graphsurgeon as gs
+
+    from flashnorm import modelio
+    from flashnorm.passes import run_passes
+    from synthetic import build_multi_arity_model
+
+    graph, _ = run_passes(gs.import_onnx(build_multi_arity_model(rng)), ["fold", "defer"])
+    model = tmp_path / "deferred.onnx"
+    modelio.save(graph, model)
+    result = _run([sys.executable, "-c", RTX_PROBE, route, str(built["plugin"]), str(model)], timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "creators 0 parsed True errors 0 plugin_layers 0" in result.stdout, result.stdout + result.stderr[-2000:]
+    assert route == "dlopen" or "TensorRT for RTX has no plugin layers" in result.stderr

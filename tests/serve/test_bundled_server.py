@@ -167,8 +167,9 @@ def test_a_bad_request_batched_with_a_good_one_fails_alone(smollm2_served, refer
         before = http.get_inference_statistics(MODEL)["model_stats"][0]
         pending = [http.async_infer(MODEL, _inputs(httpclient, feeds)) for feeds in (good, bad)]
         served = pending[0].get_result().as_numpy("logits")
-        with pytest.raises(InferenceServerException, match="ONNX Runtime"):
+        with pytest.raises(InferenceServerException, match="outside the vocabulary") as refused:
             pending[1].get_result()
+        assert refused.value.status() == "400"
         after = _statistics_after(http, "execution_count", int(before["execution_count"]) + 1)
     finally:
         http.close()
@@ -190,9 +191,17 @@ def test_malformed_requests_fail_and_the_server_keeps_serving(smollm2_served, re
         with pytest.raises(InferenceServerException, match="attention_mask"):
             grpc.infer(MODEL, _inputs(grpcclient, {k: v for k, v in feeds.items() if k != "attention_mask"}))
 
-        out_of_vocab = dict(feeds, input_ids=feeds["input_ids"] + VOCAB)  # Gather index out of range
-        with pytest.raises(InferenceServerException, match="ONNX Runtime"):
-            http.infer(MODEL, _inputs(httpclient, out_of_vocab))
+        # Refused before the model runs, with a 400: out of range, and negative (which ONNX
+        # Gather would silently wrap around to the end of the vocabulary).
+        for shift in (VOCAB, -VOCAB):
+            out_of_vocab = dict(feeds, input_ids=feeds["input_ids"] + shift)
+            with pytest.raises(InferenceServerException, match="outside the vocabulary") as refused:
+                http.infer(MODEL, _inputs(httpclient, out_of_vocab))
+            assert refused.value.status() == "400"
+
+        short_mask = dict(feeds, attention_mask=feeds["attention_mask"][:, 1:])
+        with pytest.raises(InferenceServerException, match=r"attention_mask must be \[batch, past \+ sequence\]"):
+            grpc.infer(MODEL, _inputs(grpcclient, short_mask))
 
         assert smollm2_served.process.poll() is None and http.is_server_ready()
         served = grpc.infer(MODEL, _inputs(grpcclient, feeds)).as_numpy("logits")

@@ -15,7 +15,6 @@ from tritonclient.grpc import model_config_pb2  # noqa: E402
 from flashnorm.errors import FlashNormError  # noqa: E402
 from flashnorm.serve.config import parse_model_config  # noqa: E402
 from flashnorm.serve.repository import (  # noqa: E402
-    staged_directory,
     write_engine_repository,
     write_onnx_python_repository,
 )
@@ -139,20 +138,51 @@ def test_failures_leave_nothing_behind(tmp_path, engine_files, projection_model)
     assert _leftovers(tmp_path) == []
 
 
-def test_staged_directory_keeps_the_old_repository_when_the_new_one_fails(tmp_path):
-    target = tmp_path / "repo"
-    target.mkdir()
-    (target / "old.txt").write_text("old")
-    with pytest.raises(RuntimeError):
-        with staged_directory(target, force=True) as staging:
-            (staging / "new.txt").write_text("new")
-            raise RuntimeError("interrupted")
-    assert [p.name for p in target.iterdir()] == ["old.txt"]
-    assert _leftovers(tmp_path) == []
-
-
 def test_bf16_tensors_are_refused_for_the_python_backend(tmp_path, projection_model):
     onnx_path, _ = projection_model()
     with pytest.raises(FlashNormError, match="bf16"):
         write_onnx_python_repository(onnx_path, signature_from_io_specs(["in:x:bf16:-1,6", "out:y:fp32:-1,5"]),
                                      tmp_path / "repo")
+
+
+def test_engine_repository_with_request_checks_is_an_ensemble(tmp_path, engine_files, rng):
+    import dataclasses
+    import json
+
+    from flashnorm.engine.shapes import parse_shape_specs
+
+    engine, plugin = engine_files
+    vocab, longest = int(rng.integers(100, 60000)), int(rng.integers(2, 1025))
+    signature = dataclasses.replace(
+        signature_from_io_specs(["in:input_ids:int64:-1,-1", "in:attention_mask:int64:-1,-1",
+                                 f"out:logits:fp16:-1,-1,{vocab}"]),
+        profile=parse_shape_specs([f"input_ids:1x1,2x8,4x{longest}", f"attention_mask:1x1,2x8,4x{longest}"]),
+    )
+    result = write_engine_repository(engine, plugin, signature, tmp_path / "repo", name="smol", max_batch_size=4,
+                                     check_requests=True)
+    repo = tmp_path / "repo"
+    assert result.files == ["README.md", "smol/config.pbtxt", "smol_checks/1/model.py", "smol_checks/config.pbtxt",
+                            "smol_engine/1/model.plan", "smol_engine/config.pbtxt",
+                            "smol_engine/plugins/libflashnorm_plugin.so"]
+    assert (repo / "smol/1").is_dir() and result.unchecked_by_config == []
+    ensemble = parse_model_config((repo / "smol/config.pbtxt").read_text())
+    assert ensemble.platform == "ensemble" and ensemble.max_batch_size == 4 and not ensemble.instance_group
+    assert not ensemble.HasField("dynamic_batching")
+    steps = ensemble.ensemble_scheduling.step
+    assert [(step.model_name, dict(step.input_map), dict(step.output_map)) for step in steps] == [
+        ("smol_checks", {"input_ids": "input_ids", "attention_mask": "attention_mask"},
+         {"checked_input_ids": "checked_input_ids", "checked_attention_mask": "checked_attention_mask"}),
+        ("smol_engine", {"input_ids": "checked_input_ids", "attention_mask": "checked_attention_mask"},
+         {"logits": "logits"}),
+    ]
+    checks = parse_model_config((repo / "smol_checks/config.pbtxt").read_text())
+    assert checks.backend == "python" and checks.parameters["role"].string_value == "check"
+    assert checks.instance_group[0].kind == model_config_pb2.ModelInstanceGroup.KIND_CPU
+    assert int(checks.parameters["vocabulary"].string_value) == vocab
+    assert json.loads(checks.parameters["input_ranges"].string_value) == {
+        "input_ids": [[1, 1], [4, longest]], "attention_mask": [[1, 1], [4, longest]]}
+    assert [(t.name, t.data_type) for t in checks.output] == [
+        ("checked_input_ids", model_config_pb2.TYPE_INT64), ("checked_attention_mask", model_config_pb2.TYPE_INT64)]
+    assert parse_model_config((repo / "smol_engine/config.pbtxt").read_text()).platform == "tensorrt_plan"
+    readme = (repo / "README.md").read_text()
+    assert "smol_engine/plugins/libflashnorm_plugin.so" in result.start_command and "`smol_checks`" in readme

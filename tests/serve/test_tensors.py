@@ -6,7 +6,7 @@ import pytest
 
 from flashnorm.errors import FlashNormError
 from flashnorm.serve.tensors import (
-    TensorSpec,
+    TritonTensor,
     parse_io_spec,
     signature_from_engine,
     signature_from_io_specs,
@@ -44,8 +44,8 @@ def test_select_outputs_keeps_order_and_rejects_unknown_names(projection_model, 
 def test_io_specs_parse_and_reject_bad_strings():
     signature = signature_from_io_specs(["in:input_ids:int64:-1,-1", "out:logits:fp16:-1,-1,49152"])
     assert signature.source == "io"
-    assert signature.inputs == (TensorSpec("input_ids", "TYPE_INT64", (-1, -1), True),)
-    assert signature.outputs == (TensorSpec("logits", "TYPE_FP16", (-1, -1, 49152), False),)
+    assert signature.inputs == (TritonTensor("input_ids", "TYPE_INT64", (-1, -1), True),)
+    assert signature.outputs == (TritonTensor("logits", "TYPE_FP16", (-1, -1, 49152), False),)
     for bad, message in [
         ("input_ids:int64:-1", "expected in|out"),
         ("in:x:complex64:-1", "unknown type"),
@@ -61,11 +61,11 @@ def test_io_specs_parse_and_reject_bad_strings():
 
 
 def test_triton_dims_drop_the_batch_dimension_only_when_batching():
-    spec = TensorSpec("logits", "TYPE_FP32", (-1, -1, 576), False)
+    spec = TritonTensor("logits", "TYPE_FP32", (-1, -1, 576), False)
     assert spec.triton_dims(8) == (-1, 576)
     assert spec.triton_dims(0) == (-1, -1, 576)
     with pytest.raises(FlashNormError, match="--max-batch-size 0"):
-        TensorSpec("x", "TYPE_FP32", (1, 576), True).triton_dims(4)
+        TritonTensor("x", "TYPE_FP32", (1, 576), True).triton_dims(4)
 
 
 def test_engine_signature_without_tensorrt_names_the_alternatives(tmp_path):
@@ -103,6 +103,11 @@ class _FakeTensorRT:
 
         class Engine:
             num_io_tensors = len(bindings)
+            num_optimization_profiles = 1
+
+            def get_tensor_profile_shape(self, name, profile):
+                assert profile == 0 and next(b[1] for b in bindings if b[0] == name) == "INPUT"
+                return [[1, 1], [1, 64], [4, 512]]
 
             def get_tensor_name(self, index):
                 return bindings[index][0]
@@ -150,9 +155,11 @@ def test_engine_bindings_become_triton_tensors_after_the_plugin_is_loaded(tmp_pa
     assert events[0] == ("dlopen", str(tmp_path / "libflashnorm_plugin.so"), ctypes.RTLD_GLOBAL)
     assert events[1][0] == "deserialize"
     assert signature.source == "tensorrt"
-    assert signature.inputs == (TensorSpec("input_ids", "TYPE_INT32", (-1, -1), True),
-                                TensorSpec("attention_mask", "TYPE_INT64", (-1, -1), True))
-    assert signature.outputs == (TensorSpec("logits", "TYPE_FP16", (-1, -1, vocab), False),)
+    assert signature.inputs == (TritonTensor("input_ids", "TYPE_INT32", (-1, -1), True),
+                                TritonTensor("attention_mask", "TYPE_INT64", (-1, -1), True))
+    assert signature.outputs == (TritonTensor("logits", "TYPE_FP16", (-1, -1, vocab), False),)
+    assert {name: r.describe() for name, r in signature.profile.items()} == {
+        "input_ids": "1x1,1x64,4x512", "attention_mask": "1x1,1x64,4x512"}
 
     plan.write_bytes(b"corrupt")
     with pytest.raises(FlashNormError, match="could not deserialize"):

@@ -12,6 +12,8 @@ from onnx import TensorProto, helper
 from flashnorm import cli
 from synthetic import GraphBuilder, build_attention_block, build_norm_model, random_gain
 
+_SITE_PREFIXES = {f"#{i}" for i in range(10)}  # a reason line starts with its site's number
+
 
 def test_text_table_lists_sites_and_reasons(tmp_path, rng, capsys):
     path = tmp_path / "block.onnx"
@@ -24,6 +26,26 @@ def test_text_table_lists_sites_and_reasons(tmp_path, rng, capsys):
     assert "#0 cancel: path reaches graph output" in out  # QK-only: V has no downstream norm
     assert "not a linear op with a constant weight" in out  # per-head norms feed a Transpose
     assert "3 sites, 1 foldable, 0 cancellable, 1 deferrable after fold" in out
+
+
+def test_reasons_grouped_and_every_site_with_verbose(tmp_path, rng, capsys):
+    path = tmp_path / "block.onnx"
+    onnx.save(build_attention_block(rng, kind="qk_norm"), path)
+    outputs = {}
+    for flags in ([], ["-v"]):
+        assert cli.main(["inspect", str(path), *flags]) == 0
+        outputs[bool(flags)] = capsys.readouterr().out.splitlines()
+    reasons = [line for line in outputs[False] if line[:2] in _SITE_PREFIXES]
+    assert reasons == [
+        "#1 fold: consumer Transpose '…' is not a linear op with a constant weight (2 sites)",
+        "#0 cancel: path reaches graph output '…' without a downstream RMSNorm (3 sites)",
+        "#1 defer: the norm has a gain (run fold first) (2 sites)",
+    ]
+    every_site = [line for line in outputs[True] if line[:2] in _SITE_PREFIXES]
+    assert len(every_site) == 2 + 3 + 2, "one line per site and step"
+    assert "#2 fold: consumer Transpose 'Transpose_61' is not a linear op with a constant weight" in every_site
+    table = outputs[False][:4]
+    assert outputs[True][:4] == table, "the table lists every site either way"
 
 
 def test_json_report_has_every_field(tmp_path, rng, capsys):
@@ -73,7 +95,7 @@ def test_not_onnx_is_one_line(tmp_path, capsys):
 def test_inspect_changes_nothing(rng):
     import onnx_graphsurgeon as gs
 
-    from flashnorm.tools.inspect import inspect_graph
+    from flashnorm.passes.dry_run import inspect_graph
 
     model = build_attention_block(rng, kind="qkv_norm", dynamic_shape=True)
     del model.graph.value_info[:]

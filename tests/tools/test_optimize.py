@@ -122,3 +122,37 @@ def test_output_over_input_is_refused(tmp_path, rng):
     with pytest.raises(FlashNormError, match="never overwrites its input"):
         optimize_file(source, source)
     assert _digest(source) == digest
+
+
+def test_verbose_lists_every_skipped_site(tmp_path, rng, capsys):
+    # Per-head q/k norms feed a Transpose: fold and defer skip both, cancel skips all 3 sites.
+    source = tmp_path / "in.onnx"
+    onnx.save(build_attention_block(rng, kind="qk_norm"), source)
+    outputs = {}
+    for flags in ([], ["-v"]):
+        assert cli.main(["optimize", str(source), "-o", str(tmp_path / "out.onnx"), "--passes", "fold,cancel,defer",
+                         *flags]) == 0
+        outputs[bool(flags)] = capsys.readouterr().out.splitlines()
+    grouped = [line for line in outputs[False] if "skipped" in line and line.startswith("    ")]
+    assert len(grouped) == 3 and all(line.startswith("    skipped (") for line in grouped)
+    assert "    skipped (3 sites, e.g. " in "\n".join(grouped)
+    every_site = [line for line in outputs[True] if ": skipped: " in line]
+    assert len(every_site) == 2 + 3 + 2, "one line per site and pass"
+    assert not any("'…'" in line for line in every_site), "each site's own reason, names included"
+
+
+def test_text_report_groups_skipped_sites_by_reason():
+    from flashnorm.tools.optimize import format_text
+
+    sites = [{"site": f"norm{i}", "action": "skipped", "reason": f"consumer MatMul 'mm{i}' is not a projection"}
+             for i in range(30)]
+    sites += [{"site": "final", "action": "skipped", "reason": "the normalized tensor is a graph output"},
+              {"site": "norm30", "action": "deferred", "reason": ""}]
+    report = {"input": "in.onnx", "output": "out.onnx", "norm_sites": 32,
+              "reports": [{"pass": "defer", "counts": {"skipped": 31, "deferred": 1}, "sites": sites}]}
+    lines = format_text(report).splitlines()
+    assert lines[1:] == ["  defer: 31 skipped, 1 deferred",
+                         "    skipped (30 sites, e.g. norm0): consumer MatMul '…' is not a projection",
+                         "    skipped (final): the normalized tensor is a graph output"]
+    verbose = format_text(report, verbose=True).splitlines()
+    assert len(verbose) == 2 + 31 and "    norm7: skipped: consumer MatMul 'mm7' is not a projection" in verbose

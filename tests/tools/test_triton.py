@@ -69,8 +69,14 @@ def _error(capsys) -> str:
       "--outputs", "y"], "--outputs applies to --backend python"),
     (["--onnx", "{onnx}", "--backend", "python", "--outputs", "logits"], r"unknown output name\(s\) \['logits'\]"),
     (["--onnx", "{onnx}", "--backend", "python", "--engine", "{engine}"], "--engine applies to --backend tensorrt"),
-    (["--onnx", "{tmp}/absent.onnx", "--backend", "python"], "model file .*absent.onnx does not exist"),
+    (["--onnx", "{tmp}/absent.onnx", "--backend", "python"], "model .*absent.onnx does not exist or is not a file"),
     (["--onnx", "{onnx}", "--backend", "python", "--instances", "0"], "--instances must be >= 1"),
+    (["--onnx", "{onnx}", "--backend", "python", "--shapes", "x:1x2,1x2,1x2"], "--shapes applies to --backend tensorrt"),
+    (["--onnx", "{onnx}", "--backend", "python", "--check-requests"], "--check-requests applies to --backend tensorrt"),
+    (["--engine", "{engine}", "--plugin", "{plugin}", "--io", "in:x:fp32:-1,4", "--io", "out:y:fp64:-1,4"],
+     "output 'y' is TYPE_FP64, which no TensorRT engine takes or returns"),
+    (["--engine", "{engine}", "--plugin", "{plugin}", "--io", "in:ids:int64:-1,-1", "--io", "out:y:fp16:-1,-1,9",
+      "--shapes", "ids:1x1,2x16,4x64"], "takes batch 1..4, but with --max-batch-size 8 .* pass --max-batch-size 4"),
 ])
 def test_bad_input_is_one_line_exit_2_and_writes_nothing(arguments, message, tmp_path, engine_files,
                                                          projection_model, capsys):
@@ -117,3 +123,34 @@ def test_existing_repository_needs_force(tmp_path, projection_model, capsys):
     assert (tmp_path / "repo/projection/config.pbtxt").read_text() == before
     assert cli.main([*argv, "--max-batch-size", "2", "--force"]) == 0
     assert parse_model_config((tmp_path / "repo/projection/config.pbtxt").read_text()).max_batch_size == 2
+
+
+def test_engine_repository_checks_the_build_profile_and_says_what_the_config_cannot(tmp_path, engine_files, capsys):
+    engine, plugin = engine_files
+    repo = tmp_path / "repo"
+    assert cli.main(["triton", "--engine", str(engine), "--plugin", str(plugin), "-o", str(repo),
+                     "--io", "in:input_ids:int64:-1,-1", "--io", "in:attention_mask:int64:-1,-1",
+                     "--io", "out:logits:fp16:-1,-1,49152", "--max-batch-size", "4",
+                     "--shapes", "input_ids:1x1,2x64,4x512", "attention_mask:1x1,2x64,4x512", "--report", "-"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["profile"] == {"input_ids": "1x1,2x64,4x512", "attention_mask": "1x1,2x64,4x512"}
+    assert report["unchecked_by_config"] == [
+        "input_ids dimension 1: 1..512 (the config says -1)",
+        "attention_mask dimension 1: 1..512 (the config says -1)",
+        "token ids in [0, vocabulary): a config states types and shapes, never values",
+        "lengths that must agree between inputs (attention_mask as long as past + input_ids)",
+    ]
+    readme = (repo / "README.md").read_text()
+    assert all(f"- {item}" in readme for item in report["unchecked_by_config"])
+    config = parse_model_config((repo / "smol/config.pbtxt").read_text())
+    assert [list(t.dims) for t in config.input] == [[-1], [-1]] and config.max_batch_size == 4
+
+
+def test_engine_repository_without_a_profile_says_it_is_unchecked(tmp_path, engine_files, projection_model, capsys):
+    engine, plugin = engine_files
+    onnx_path, _ = projection_model()
+    assert cli.main(["triton", "--engine", str(engine), "--plugin", str(plugin), "--onnx", str(onnx_path),
+                     "-o", str(tmp_path / "repo"), "--report", "-"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["profile"] == {}
+    assert [item.split(" (")[0] for item in report["unchecked_by_config"]] == ["the engine's optimization profile"]

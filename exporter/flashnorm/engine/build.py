@@ -1,26 +1,33 @@
 """Build a TensorRT engine from a FlashNorm ONNX file.
 
-A strongly typed network (the plugin receives exactly the ONNX tensor types; TensorRT 11 has
-no other kind), the ONNX parser's plugin override on where it exists (TensorRT ≥ 10.15; the
-node's `plugin_namespace` attribute already selects the plugin there), one optimization
-profile from the given min/opt/max shapes, an optional timing cache, progress on stderr.
+A strongly typed network (the plugin receives exactly the ONNX tensor types; TensorRT 11 and
+TensorRT-RTX have no other kind), the ONNX parser's plugin override on where it exists
+(TensorRT ≥ 10.15; the node's `plugin_namespace` attribute already selects the plugin there),
+one optimization profile from the given min/opt/max shapes, an optional timing cache, progress
+on stderr, and a summary of what the engine is made of. Backends: flashnorm.engine.loader.
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
+import json
 import os
+import sys
 import time
 from pathlib import Path
 from typing import Any, Mapping, Optional, Sequence
 
 import onnx
 
-from flashnorm.engine.loader import import_tensorrt, load_plugins, tensorrt_version
+from flashnorm import contract
+from flashnorm.engine.loader import (
+    RTX_HAS_NO_PLUGINS, Backend, import_backend, load_plugins, registered_flashnorm_creators,
+)
 from flashnorm.engine.progress import make_progress_monitor
 from flashnorm.engine.shapes import ShapeRange
-from flashnorm.errors import FlashNormError
-from flashnorm.io import atomic_write
+from flashnorm.errors import FlashNormError, require_file
+from flashnorm.files import atomic_write
 
 
 @dataclasses.dataclass
@@ -31,12 +38,33 @@ class BuildOptions:
     workspace_bytes: Optional[int] = None
     progress: bool = True
     verbose: bool = False
+    backend: str = "auto"
+    optimization_level: Optional[int] = None
+    """The builder's optimization level (0-5, TensorRT's default 3): lower builds faster."""
+    inspect: bool = True
+    """Deserialize the engine once more for TensorRT's engine inspector (where it can run)."""
 
 
 def flashnorm_node_names(onnx_path: str | os.PathLike[str]) -> list[str]:
-    """Names of the FlashNormMatMul nodes of a model (read without its weights)."""
+    """Names of the FlashNormMatMul<N> nodes of a model (read without its weights). A model
+    written with the older encoding is refused with what to do."""
     model = onnx.load(os.fspath(onnx_path), load_external_data=False)
-    return [n.name for n in model.graph.node if n.op_type == "FlashNormMatMul" and n.domain == "flashnorm"]
+    legacy = contract.legacy_encoding(((n.op_type, n.domain) for n in model.graph.node),
+                                      ((f.name, f.domain, f.overload) for f in model.functions))
+    if legacy:
+        raise FlashNormError(f"{onnx_path}: {legacy}")
+    return [n.name for n in model.graph.node if contract.is_deferred_node(n.op_type, n.domain)]
+
+
+def select_backend(requested: str, plugins: Sequence[Any]) -> Backend:
+    """The backend to build with; `--plugin` on one without plugin layers is refused before
+    anything is loaded (TensorRT-RTX's parser aborts the process on a plugin node)."""
+    backend = import_backend(requested)
+    if plugins and not backend.hosts_plugins:
+        raise FlashNormError(RTX_HAS_NO_PLUGINS if requested != "auto" else
+                             f"--plugin needs TensorRT with plugin layers, and only {backend.describe()} is installed: "
+                             + RTX_HAS_NO_PLUGINS)
+    return backend
 
 
 def _parse_network(trt: Any, builder: Any, logger: Any, onnx_path: Path) -> tuple[Any, Any]:
@@ -84,34 +112,126 @@ def _profile(trt: Any, builder: Any, network: Any, shapes: Mapping[str, ShapeRan
     return profile, used
 
 
-def _plugin_layers(trt: Any, network: Any) -> list[str]:
-    kind = getattr(trt.LayerType, "PLUGIN_V3", None)
-    return [network.get_layer(i).name for i in range(network.num_layers) if network.get_layer(i).type == kind]
+def network_summary(trt: Any, network: Any, flashnorm_nodes: Sequence[str]) -> dict[str, Any]:
+    """What TensorRT's parser made of the model: layers by type, and the layers that carry the
+    norms: one mean-of-squares reduction (REDUCE, AVG) per norm computed from its
+    decomposition, one plugin layer per FlashNormMatMul node that runs the plugin."""
+    types: collections.Counter[str] = collections.Counter()
+    mean_reductions, plugin_layers = 0, []
+    reduce_layer = getattr(trt, "IReduceLayer", None)
+    plugin_kind = getattr(trt.LayerType, "PLUGIN_V3", None)
+    for i in range(network.num_layers):
+        layer = network.get_layer(i)
+        types[layer.type.name] += 1
+        if layer.type == trt.LayerType.REDUCE and reduce_layer is not None:
+            layer.__class__ = reduce_layer  # the bindings' way to reach the subclass's fields
+            mean_reductions += layer.op == trt.ReduceOperation.AVG
+        elif plugin_kind is not None and layer.type == plugin_kind:
+            plugin_layers.append(layer.name)
+    return {
+        "layers": network.num_layers,
+        "layer_types": dict(sorted(types.items(), key=lambda item: (-item[1], item[0]))),
+        "mean_reductions": mean_reductions,
+        # The parser names a plugin layer after its node (possibly with a suffix).
+        "flashnorm_plugin_layers": sum(any(node in layer for node in flashnorm_nodes) for layer in plugin_layers),
+    }
+
+
+# The parser names the nodes of a model-local function's body after their outputs, the same
+# for every node that uses the function, and warns once per body node and use (SmolLM2's 60
+# deferred nodes: hundreds of lines). Harmless: those tensors are internal to each use.
+_REPEATED_FUNCTION_NODE = "already exists, the output tensors of this new instance will not be queryable"
+
+
+def _build_logger(trt: Any, verbose: bool) -> Any:
+    """TensorRT's messages on stderr, as trt.Logger prints them, with the parser's warnings
+    about repeated function-body node names counted instead of printed."""
+    shown = trt.ILogger.Severity.VERBOSE if verbose else trt.ILogger.Severity.WARNING
+
+    class BuildLogger(trt.ILogger):
+        def __init__(self) -> None:
+            trt.ILogger.__init__(self)
+            self.repeated_function_nodes = 0
+
+        def log(self, severity, message):
+            if _REPEATED_FUNCTION_NODE in message and not verbose:
+                self.repeated_function_nodes += 1
+            elif int(severity) <= int(shown):
+                print(f"[TensorRT] [{severity.name}] {message}", file=sys.stderr, flush=True)
+
+    return BuildLogger()
+
+
+def load_engine(trt: Any, plan: bytes) -> tuple[Optional[Any], str]:
+    """The deserialized engine, or None and what the runtime said (its errors are collected,
+    not printed: not being able to run an engine here is an answer, not a failure)."""
+
+    class Collecting(trt.ILogger):
+        def __init__(self) -> None:
+            trt.ILogger.__init__(self)
+            self.errors: list[str] = []
+
+        def log(self, severity, message):
+            if severity in (trt.ILogger.Severity.ERROR, trt.ILogger.Severity.INTERNAL_ERROR):
+                self.errors.append(str(message).strip())
+
+    logger = Collecting()
+    engine = trt.Runtime(logger).deserialize_cuda_engine(plan)
+    if engine is not None:
+        return engine, ""
+    return None, (logger.errors[0] if logger.errors else "the runtime refused the engine without saying why")
+
+
+def inspect_engine(trt: Any, plan: bytes) -> dict[str, Any]:
+    """TensorRT's engine inspector, summarized: layer count, layers by type and the layers
+    whose names carry a norm or a FlashNormMatMul node. The inspector needs the engine
+    deserialized, which needs a GPU the backend supports: elsewhere it says why not."""
+    engine, why = load_engine(trt, plan)
+    if engine is None:
+        return {"available": False, "reason": f"the engine cannot be deserialized here: {why}"}
+    inspector = engine.create_engine_inspector()
+    layers = json.loads(inspector.get_engine_information(trt.LayerInformationFormat.JSON)).get("Layers", [])
+    types: collections.Counter[str] = collections.Counter()
+    norm_layers = []
+    for layer in layers:
+        name = layer.get("Name", "") if isinstance(layer, dict) else str(layer)
+        types[layer.get("LayerType", "unknown") if isinstance(layer, dict) else "unknown"] += 1
+        lowered = name.lower()
+        if "norm" in lowered or contract.OP_TYPE_PREFIX.lower() in lowered or "mean" in lowered:
+            norm_layers.append(name)
+    return {"available": True, "layers": len(layers),
+            "layer_types": dict(sorted(types.items(), key=lambda item: (-item[1], item[0]))),
+            "norm_layers": norm_layers}
 
 
 def build_serialized_engine(onnx_path: str | os.PathLike[str], options: BuildOptions) -> tuple[bytes, dict]:
     """Parse and build; returns the serialized engine and a report. Raises FlashNormError for
     missing TensorRT, bad input, a parser error, a plugin that did not take, a failed build."""
-    source = Path(onnx_path)
-    if not source.is_file():
-        raise FlashNormError(f"model {source} does not exist or is not a file")
-    trt = import_tensorrt()
-    logger = trt.Logger(trt.Logger.VERBOSE if options.verbose else trt.Logger.WARNING)
+    source = require_file("model", onnx_path)
+    expected = flashnorm_node_names(source)
+    backend = select_backend(options.backend, options.plugins)
+    trt = backend.module
+    logger = _build_logger(trt, options.verbose)
     plugins = load_plugins(trt, options.plugins)
+    if expected and not backend.hosts_plugins and registered_flashnorm_creators(trt):
+        raise FlashNormError(f"a FlashNormMatMul plugin creator is registered with {backend.describe()}, whose parser "
+                             "aborts the process on a plugin node: build in a process that has not loaded the plugin")
     builder = trt.Builder(logger)
     network, _parser = _parse_network(trt, builder, logger, source)
 
-    expected = flashnorm_node_names(source)
-    plugin_layers = _plugin_layers(trt, network)
-    # The parser names a layer after its node (possibly with a suffix).
-    flashnorm_layers = [layer for layer in plugin_layers if any(node in layer for node in expected)]
-    if plugins and expected and not plugin_layers:
+    summary = network_summary(trt, network, expected)
+    if plugins and expected and not summary["flashnorm_plugin_layers"]:
         raise FlashNormError(
-            f"the plugin is loaded but TensorRT {trt.__version__} built all {len(expected)} FlashNormMatMul nodes "
+            f"the plugin is loaded but {backend.describe()} built all {len(expected)} FlashNormMatMul nodes "
             "from their reference functions (TensorRT 10.0-10.6 prefer model-local functions over plugins)"
         )
 
     config = builder.create_builder_config()
+    profiling = getattr(trt, "ProfilingVerbosity", None)
+    if profiling is not None:
+        config.profiling_verbosity = profiling.DETAILED  # layer names and tactics for the inspector
+    if options.optimization_level is not None:
+        config.builder_optimization_level = int(options.optimization_level)
     if options.workspace_bytes is not None:
         config.set_memory_pool_limit(trt.MemoryPoolType.WORKSPACE, int(options.workspace_bytes))
     profile, profile_shapes = _profile(trt, builder, network, options.shapes)
@@ -121,7 +241,10 @@ def build_serialized_engine(onnx_path: str | os.PathLike[str], options: BuildOpt
     if monitor is not None:
         config.progress_monitor = monitor
     cache_path = Path(options.timing_cache) if options.timing_cache else None
-    if cache_path is not None:
+    # TensorRT-RTX chooses kernels when the engine first runs: its timing-cache calls are
+    # documented no-ops, so the cache is neither read nor written there.
+    use_cache = cache_path is not None and backend.name == "tensorrt"
+    if use_cache:
         cached = cache_path.read_bytes() if cache_path.is_file() else b""
         cache = config.create_timing_cache(cached)
         config.set_timing_cache(cache, ignore_mismatch=False)
@@ -130,28 +253,37 @@ def build_serialized_engine(onnx_path: str | os.PathLike[str], options: BuildOpt
     serialized = builder.build_serialized_network(network, config)
     seconds = time.monotonic() - start
     if serialized is None:
-        raise FlashNormError(f"TensorRT could not build an engine from {source} (see TensorRT's messages above)")
+        raise FlashNormError(f"{backend.describe()} could not build an engine from {source} (see its messages above)")
     plan = bytes(memoryview(serialized))
-    if cache_path is not None:
+    if use_cache:
         with atomic_write(cache_path, "wb") as handle:
             handle.write(bytes(memoryview(config.get_timing_cache().serialize())))
 
     report = {
         "input": str(source),
-        "tensorrt": trt.__version__,
+        "backend": backend.name,
+        "tensorrt": backend.version,
         "plugins": plugins,
         "strongly_typed": True,
         "plugin_override": hasattr(getattr(trt, "OnnxParserFlag", None), "ENABLE_PLUGIN_OVERRIDE"),
         "profile": profile_shapes,
+        "optimization_level": options.optimization_level,
         "flashnorm_nodes": len(expected),
-        "flashnorm_plugin_layers": len(flashnorm_layers),
-        "timing_cache": str(cache_path) if cache_path else None,
+        "flashnorm_plugin_layers": summary["flashnorm_plugin_layers"],
+        "timing_cache": str(cache_path) if use_cache else None,
         "build_seconds": round(seconds, 2),
         "engine_bytes": len(plan),
+        "network": summary,
+        "engine_inspector": inspect_engine(trt, plan) if options.inspect else {
+            "available": False, "reason": "not asked for"},
+        "parser_warnings_suppressed": logger.repeated_function_nodes,
     }
+    if cache_path is not None and not use_cache:
+        report["timing_cache_note"] = f"{cache_path} not used: TensorRT-RTX selects kernels at run time"
     if expected and not plugins:
-        report["note"] = ("no --plugin given: FlashNormMatMul nodes were built from their reference functions "
-                          "(or from a plugin already registered in this process)")
+        report["note"] = ("FlashNormMatMul nodes were built from their reference functions" if not backend.hosts_plugins
+                          else "no --plugin given: FlashNormMatMul nodes were built from their reference functions "
+                               "(or from a plugin already registered in this process)")
     return plan, report
 
 
@@ -168,17 +300,14 @@ def build_engine_file(onnx_path: str | os.PathLike[str], plan_path: str | os.Pat
     return report
 
 
-def deserialize_engine(plan_path: str | os.PathLike[str], plugins: Sequence[str | os.PathLike[str]] = ()) -> Any:
+def deserialize_engine(plan_path: str | os.PathLike[str], plugins: Sequence[str | os.PathLike[str]] = (),
+                       backend: str = "auto") -> Any:
     """Load an engine file (after registering `plugins`)."""
-    trt = import_tensorrt()
-    source = Path(plan_path)
-    if not source.is_file():
-        raise FlashNormError(f"engine {source} does not exist or is not a file")
-    load_plugins(trt, plugins)
-    runtime = trt.Runtime(trt.Logger(trt.Logger.WARNING))
-    engine = runtime.deserialize_cuda_engine(source.read_bytes())
+    chosen = select_backend(backend, plugins)
+    source = require_file("engine", plan_path)
+    load_plugins(chosen.module, plugins)
+    engine, why = load_engine(chosen.module, source.read_bytes())
     if engine is None:
-        major, minor = tensorrt_version(trt)
-        raise FlashNormError(f"TensorRT {major}.{minor} cannot load {source}: built by another TensorRT version, "
+        raise FlashNormError(f"{chosen.describe()} cannot load {source} ({why}): built by another TensorRT version, "
                              "for another GPU, or without its plugin registered (--plugin)")
     return engine

@@ -1,46 +1,38 @@
-"""TensorRT build progress on stderr, through IProgressMonitor (TensorRT ≥ 10.0)."""
+"""TensorRT build progress through IProgressMonitor (TensorRT ≥ 10.0), shown by
+`flashnorm.progress`: a bar per top-level build phase on a terminal, plain lines in a log."""
 
 from __future__ import annotations
 
-import sys
-import time
 from typing import Any, Optional
+
+from flashnorm.progress import Progress
 
 
 def make_progress_monitor(trt: Any, enabled: bool = True) -> Optional[Any]:
-    """An IProgressMonitor that prints each top-level phase and its step counts at most once a
-    second, or None where the bindings lack the interface (or when disabled)."""
+    """An IProgressMonitor that shows each top-level phase and its steps, or None where the
+    bindings lack the interface (or when disabled)."""
     base = getattr(trt, "IProgressMonitor", None)
     if base is None or not enabled:
         return None
 
-    class StderrProgressMonitor(base):
+    class BuildProgressMonitor(base):
         def __init__(self) -> None:
             base.__init__(self)
-            self._steps: dict[str, int] = {}
-            self._parents: dict[str, Optional[str]] = {}
-            self._start = time.monotonic()
-            self._last = 0.0
-
-        def _print(self, text: str) -> None:
-            print(f"flashnorm build: {text} ({time.monotonic() - self._start:.1f} s)", file=sys.stderr, flush=True)
+            self._phases: dict[str, Progress] = {}
 
         def phase_start(self, phase_name, parent_phase, num_steps):
-            self._steps[phase_name] = num_steps
-            self._parents[phase_name] = parent_phase
             if parent_phase is None:
-                self._print(f"{phase_name}: started")
+                self._phases[phase_name] = Progress(f"flashnorm build: {phase_name}", total=num_steps)
 
         def step_complete(self, phase_name, step):
-            now = time.monotonic()
-            if self._parents.get(phase_name) is None and now - self._last >= 1.0:
-                self._last = now
-                self._print(f"{phase_name}: {step + 1}/{self._steps.get(phase_name, '?')}")
+            progress = self._phases.get(phase_name)
+            if progress is not None:
+                progress.step(step + 1 - progress.done)
             return True  # never cancel the build
 
         def phase_finish(self, phase_name):
-            if self._parents.pop(phase_name, None) is None:
-                self._print(f"{phase_name}: done")
-            self._steps.pop(phase_name, None)
+            progress = self._phases.pop(phase_name, None)
+            if progress is not None:
+                progress.finish()
 
-    return StderrProgressMonitor()
+    return BuildProgressMonitor()

@@ -5,11 +5,20 @@ The legacy TorchScript exporter (`dynamo=False`, opset 17 by default) spells RMS
 `RMSNormalization`. Both graphs take `input_ids`, `attention_mask` and `position_ids` with a
 dynamic batch and sequence and return `logits`; with a KV cache they also take
 `past_key_values.<i>.key/value` and return `present.<i>.key/value`.
+
+`dtype` (fp32, fp16, bf16) is the type of the weights and of every activation, past and
+present keys/values and the logits included: the model is exported as transformers runs it
+at that dtype, so each RMSNorm is computed in fp32 inside the graph (Cast up, mean of
+squares, rsqrt, Cast down, then the gain in the model's type). The logits stay in the
+chosen type, as the framework returns them: the LM head's MatMul rounds its output to that
+type, so a Cast to fp32 after it would add 2 bytes per vocabulary entry and token (98 KB
+per SmolLM2 token) and no information.
 """
 
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import logging
 import os
@@ -25,16 +34,17 @@ import onnx
 import onnx.numpy_helper
 
 from flashnorm.errors import FlashNormError
-from flashnorm.io import atomic_write
+from flashnorm.files import StagedFile, atomic_write, commit_together
+from flashnorm.modelio.saving import EXTERNAL_DATA_THRESHOLD, INLINE_TENSOR_BYTES
 from flashnorm.progress import Progress
 
 DEFAULT_OPSET = {False: 17, True: 23}
 """Default opset per exporter (key: dynamo)."""
 
 INPUT_NAMES = ("input_ids", "attention_mask", "position_ids")
+DTYPES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
+"""`--dtype` names → torch dtype names."""
 LOGITS = "logits"
-# Above this size a model is written with its weights in `<file>.data` (protobuf stops at 2 GiB).
-_EXTERNAL_DATA_BYTES = int(1.8e9)
 # Example sizes for tracing: distinct from each other so that no axis is mistaken for another.
 _EXAMPLE_BATCH, _EXAMPLE_SEQUENCE, _EXAMPLE_PAST = 2, 5, 3
 
@@ -83,8 +93,18 @@ class ExportSpec:
     tuple), or None."""
 
 
-def causal_lm_spec(vocab_size: int, kv: KVLayout | None) -> ExportSpec:
-    """The signature of an exported causal LM, with example inputs for tracing."""
+def torch_dtype_name(dtype: str) -> str:
+    """'fp16' (or 'float16') → 'float16'; anything else FlashNormError with one line."""
+    if dtype in DTYPES.values():
+        return dtype
+    if dtype not in DTYPES:
+        raise FlashNormError(f"unknown dtype {dtype!r}; choose from {', '.join(DTYPES)}")
+    return DTYPES[dtype]
+
+
+def causal_lm_spec(vocab_size: int, kv: KVLayout | None, dtype: str = "float32") -> ExportSpec:
+    """The signature of an exported causal LM, with example inputs for tracing (past keys
+    and values in `dtype`, a torch dtype name)."""
     import torch
 
     generator = torch.Generator().manual_seed(0)
@@ -106,7 +126,7 @@ def causal_lm_spec(vocab_size: int, kv: KVLayout | None) -> ExportSpec:
         shape = (batch, kv.num_kv_heads, past, kv.head_dim)
         for layer in range(kv.num_layers):
             for name in past_names(layer):
-                inputs.append(torch.randn(shape, generator=generator))
+                inputs.append(torch.randn(shape, generator=generator).to(getattr(torch, dtype)))
                 names.append(name)
                 axes[name] = {0: "batch", 2: "past_sequence"}
             for name in present_names(layer):
@@ -137,9 +157,11 @@ def export_module(
     *,
     dynamo: bool = False,
     opset: int | None = None,
+    constant_folding: bool = True,
 ) -> onnx.ModelProto:
     """Export `module` called with `spec.example_inputs`; returns the ONNX model in memory
-    (with its weights) without writing `output` — `output` only names the temporary files."""
+    (with its weights) without writing `output` — `output` only names the temporary files.
+    `constant_folding` is the legacy exporter's (the dynamo exporter always optimizes)."""
     import torch
 
     opset = opset or DEFAULT_OPSET[dynamo]
@@ -157,7 +179,7 @@ def export_module(
                 torch.onnx.export(
                     module, spec.example_inputs, str(path), dynamo=False, opset_version=opset,
                     input_names=spec.input_names, output_names=spec.output_names,
-                    dynamic_axes=spec.dynamic_axes, do_constant_folding=True,
+                    dynamic_axes=spec.dynamic_axes, do_constant_folding=constant_folding,
                 )
         return onnx.load(str(path), load_external_data=True)
 
@@ -292,19 +314,21 @@ def lm_head_shares_embedding(model: onnx.ModelProto) -> bool:
 
 
 def save_model(model: onnx.ModelProto, output: str | os.PathLike[str]) -> None:
-    """Write `model` atomically; weights go to `<file>.data` when the model is too large for
-    one protobuf."""
+    """Write `model` as staged files (`flashnorm.files`); weights go to `<file>.data` when the
+    model is too large for one protobuf, with `flashnorm.modelio`'s thresholds."""
     destination = Path(output)
-    if model.ByteSize() < _EXTERNAL_DATA_BYTES:
+    if model.ByteSize() < EXTERNAL_DATA_THRESHOLD:
         with atomic_write(destination) as handle:
             handle.write(model.SerializeToString())
         return
     data_name = destination.name + ".data"
     with tempfile.TemporaryDirectory(prefix=".flashnorm-save-", dir=destination.parent) as scratch:
         onnx.save_model(model, str(Path(scratch) / destination.name), save_as_external_data=True,
-                        all_tensors_to_one_file=True, location=data_name, size_threshold=1024)
-        os.replace(Path(scratch) / data_name, destination.parent / data_name)  # data first
-        os.replace(Path(scratch) / destination.name, destination)
+                        all_tensors_to_one_file=True, location=data_name, size_threshold=INLINE_TENSOR_BYTES)
+        commit_together([  # data first
+            StagedFile(destination.parent / data_name, Path(scratch) / data_name),
+            StagedFile(destination, Path(scratch) / destination.name),
+        ])
 
 
 def _tied_embeddings(model: Any) -> bool:
@@ -320,9 +344,25 @@ def export_causal_lm(
     opset: int | None = None,
     kv_cache: bool = False,
     metadata: Mapping[str, str] | None = None,
+    dtype: str = "fp32",
 ) -> dict[str, Any]:
-    """Export a loaded Hugging Face causal LM (fp32, eval mode) to `output`; returns the report."""
+    """Export a loaded Hugging Face causal LM (eval mode) to `output` in `dtype` (fp32, fp16,
+    bf16); a model in another dtype is converted on a copy, never in place. Returns the report."""
+    import torch
+
     from flashnorm.export.wrappers import WRAPPED, KVCacheModel, LogitsModel
+
+    dtype_name = torch_dtype_name(dtype)
+    # The legacy exporter's scaled_dot_product_attention builds the causal mask in fp32, and
+    # adding it promotes the attention, o_proj and the whole residual stream of a half model
+    # to fp32: half models are exported with transformers' eager attention, whose mask has
+    # the model's dtype (softmax still in fp32, as transformers computes it).
+    eager = not dynamo and dtype_name != "float32" and getattr(model.config, "_attn_implementation", "eager") != "eager"
+    if model.dtype != getattr(torch, dtype_name) or eager:
+        say(f"converting a copy of the model to {dtype_name}" + (" with eager attention" if eager else ""))
+        model = copy.deepcopy(model).to(getattr(torch, dtype_name))
+        if eager:
+            model.set_attn_implementation("eager")
 
     destination = Path(output)
     directory = destination.parent if str(destination.parent) else Path(".")
@@ -331,13 +371,17 @@ def export_causal_lm(
     opset = opset or DEFAULT_OPSET[dynamo]
     vocab = model.get_input_embeddings().weight.shape[0]
     kv = KVLayout.from_config(model.config) if kv_cache else None
-    spec = causal_lm_spec(vocab, kv)
+    spec = causal_lm_spec(vocab, kv, dtype_name)
     module = KVCacheModel(model, kv.num_layers) if kv else LogitsModel(model)
     exporter = "dynamo" if dynamo else "legacy"
 
     started = time.monotonic()
-    say(f"exporting ({exporter} exporter, opset {opset}{', KV cache' if kv_cache else ''})")
-    onnx_model = export_module(module, destination, spec, dynamo=dynamo, opset=opset)
+    say(f"exporting ({exporter} exporter, opset {opset}, {dtype_name}{', KV cache' if kv_cache else ''})")
+    # The legacy exporter's constant folding fails on bfloat16 graphs (torch 2.13: "ScalarType
+    # ComplexDouble is an unexpected tensor scalar type"); without it the weights stay behind
+    # their Transpose nodes, which every pass looks through.
+    folding = dynamo or dtype_name != "bfloat16"
+    onnx_model = export_module(module, destination, spec, dynamo=dynamo, opset=opset, constant_folding=folding)
     export_seconds = time.monotonic() - started
     strip_initializer_prefix(onnx_model, f"{WRAPPED}.")
     name_dynamic_axes(onnx_model, spec.dynamic_axes)
@@ -347,10 +391,11 @@ def export_causal_lm(
         "flashnorm.exporter": exporter,
         "flashnorm.kv_cache": str(bool(kv_cache)).lower(),
         "flashnorm.tied_lm_head": str(tied).lower(),
+        "flashnorm.dtype": dtype_name,
         **(metadata or {}),
     }
     onnx.helper.set_model_props(onnx_model, properties)
-    say(f"exported in {export_seconds:.1f} s; writing {destination}")
+    say(f"traced in {export_seconds:.1f} s; writing {destination}")
     save_model(onnx_model, destination)
     return {
         "output": str(destination),
@@ -359,6 +404,8 @@ def export_causal_lm(
         "inputs": spec.input_names,
         "outputs": spec.output_names,
         "kv_cache": bool(kv_cache),
+        "dtype": dtype_name,
+        "logits_dtype": _output_dtype(onnx_model, LOGITS),
         "tied_lm_head": tied,
         "lm_head_retied": retied is not None,
         "lm_head_tied_in_onnx": lm_head_shares_embedding(onnx_model),
@@ -366,6 +413,14 @@ def export_causal_lm(
         "export_seconds": round(export_seconds, 1),
         "seconds": round(time.monotonic() - started, 1),
     }
+
+
+def _output_dtype(model: onnx.ModelProto, name: str) -> str | None:
+    """The element type a graph output declares ('float16'), or None."""
+    for value in model.graph.output:
+        if value.name == name and value.type.tensor_type.elem_type:
+            return onnx.helper.tensor_dtype_to_np_dtype(value.type.tensor_type.elem_type).name
+    return None
 
 
 def export_source(
@@ -376,6 +431,7 @@ def export_source(
     opset: int | None = None,
     kv_cache: bool = False,
     model: Any = None,
+    dtype: str = "fp32",
 ) -> dict[str, Any]:
     """Load a ModelSource (HF directory or GGUF) and export it; the source is recorded in the
     ONNX metadata so that `flashnorm compare --text` can find the tokenizer. `model`, if
@@ -383,14 +439,16 @@ def export_source(
     from flashnorm.export.sources import load_causal_lm
 
     started = time.monotonic()
+    dtype_name = torch_dtype_name(dtype)
     if model is None:
         say(f"loading {source.describe()}")
-        model = load_causal_lm(source)
+        model = load_causal_lm(source, dtype_name)
     load_seconds = time.monotonic() - started
     metadata = {"flashnorm.source_dir": str(source.directory)}
     if source.gguf_file:
         metadata["flashnorm.gguf_file"] = source.gguf_file
-    report = export_causal_lm(model, output, dynamo=dynamo, opset=opset, kv_cache=kv_cache, metadata=metadata)
+    report = export_causal_lm(model, output, dynamo=dynamo, opset=opset, kv_cache=kv_cache, metadata=metadata,
+                              dtype=dtype_name)
     report["source"] = source.describe()
     report["load_seconds"] = round(load_seconds, 1)
     report["seconds"] = round(time.monotonic() - started, 1)

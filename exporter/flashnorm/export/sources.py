@@ -71,7 +71,7 @@ def resolve_source(path: str | os.PathLike[str] | None = None, model: str | None
         return KNOWN_MODELS[key]()
     location = Path(path)
     if not location.exists():
-        raise FlashNormError(f"{location} does not exist")
+        raise FlashNormError(f"model {location} does not exist (give a Hugging Face directory or a .gguf file)")
     if location.is_file():
         if location.suffix.lower() != ".gguf":
             raise FlashNormError(

@@ -5,7 +5,7 @@
     + eps ..... Add(·, eps) either operand order (absent: eps = 0)
     1/rms ..... Sqrt → Div(x, ·)  |  Sqrt → Reciprocal → Mul  |  Sqrt → Div(1, ·) → Mul
                 |  Pow(·, -0.5) → Mul
-    then an optional Cast, an optional gain Mul (w, a Cast of w, or Add(w, 1)), an optional Cast.
+    then up to two Casts, an optional gain Mul (w, a Cast of w, or Add(w, 1)), up to two Casts.
 
 The anchor is the ReduceMean of a square; everything else is followed from there.
 """
@@ -16,12 +16,13 @@ from typing import Optional
 
 import onnx_graphsurgeon as gs
 
-from flashnorm.match.constants import constant_value, is_scalar_equal, last_dim, producer, tensor_rank
+from flashnorm.match.queries import constant_value, is_scalar_equal, last_dim, producer, tensor_rank
 from flashnorm.match.gain import read_gain
 from flashnorm.match.rejection import Rejected
 from flashnorm.match.site import NormSite
 
 SPELLING = "decomposed"
+_MAX_CASTS = 2
 
 
 def square_source(node: gs.Node) -> Optional[gs.Tensor]:
@@ -64,12 +65,19 @@ def match(reduce_mean: gs.Node, graph_outputs: frozenset[str] = frozenset()) -> 
         eps, after_eps = float(value.reshape(())), eps_add.outputs[0]
         nodes.append(eps_add)
 
+    def casts(tensor: gs.Tensor, cast_to: Optional[int]) -> tuple[gs.Tensor, Optional[int]]:
+        # A short chain of Casts (an fp32 → fp32 Cast from the legacy exporter, then the Cast
+        # down to a half type) belongs to the site.
+        for _ in range(_MAX_CASTS):
+            cast = only_consumer(tensor, "Cast")
+            if cast is None:
+                break
+            nodes.append(cast)
+            tensor, cast_to = cast.outputs[0], int(cast.attrs["to"])
+        return tensor, cast_to
+
     normalized = _divide_by_rms(after_eps, x, nodes)
-    output, output_cast = normalized, None
-    cast = only_consumer(output, "Cast")
-    if cast is not None:
-        nodes.append(cast)
-        output, output_cast = cast.outputs[0], int(cast.attrs["to"])
+    output, output_cast = casts(normalized, None)
 
     gain = gain_node = gain_index = None
     mul = only_consumer(output, "Mul")
@@ -79,10 +87,7 @@ def match(reduce_mean: gs.Node, graph_outputs: frozenset[str] = frozenset()) -> 
         if gain is not None:
             nodes.append(mul)
             gain_node, gain_index, output = mul, index, mul.outputs[0]
-            cast = only_consumer(output, "Cast")
-            if cast is not None:
-                nodes.append(cast)
-                output, output_cast = cast.outputs[0], int(cast.attrs["to"])
+            output, output_cast = casts(output, output_cast)
 
     return NormSite(
         name=output.name,

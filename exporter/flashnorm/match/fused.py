@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import onnx_graphsurgeon as gs
 
-from flashnorm.match.constants import last_dim, tensor_rank
+from flashnorm.match.queries import last_dim, tensor_rank
 from flashnorm.match.gain import read_gain
 from flashnorm.match.rejection import Rejected
 from flashnorm.match.site import NormSite

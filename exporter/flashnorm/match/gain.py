@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Optional
 import numpy as np
 import onnx_graphsurgeon as gs
 
-from flashnorm.match.constants import constant_value, is_scalar_equal, producer
+from flashnorm.match.queries import constant_value, is_scalar_equal, producer, stored_initializer
 
 if TYPE_CHECKING:
     from flashnorm.match.site import NormSite
@@ -37,12 +37,12 @@ def read_gain(tensor: gs.Tensor) -> Optional[Gain]:
         return None
     if int(np.prod(value.shape[:-1])) != 1 or not np.issubdtype(_numeric(value.dtype), np.floating):
         return None
-    convention, stored = "w", _stored_constant(tensor)
+    convention, stored = "w", stored_initializer(tensor)
     node = producer(tensor)
     if node is not None and node.op == "Add" and len(node.inputs) == 2:
         for one, other in ((node.inputs[0], node.inputs[1]), (node.inputs[1], node.inputs[0])):
             if is_scalar_equal(constant_value(one), 1.0) and constant_value(other) is not None:
-                convention, stored = "1+w", _stored_constant(other)
+                convention, stored = "1+w", stored_initializer(other)
                 break
     return Gain(value.astype(np.float64).reshape(-1), convention, stored, value.dtype)
 
@@ -52,18 +52,6 @@ def gain_slot_shape(site: "NormSite") -> tuple[int, ...]:
     broadcast the output to a higher rank; a replacement gain keeps this shape."""
     value = constant_value(site.gain_node.inputs[site.gain_index])
     return tuple(value.shape) if value is not None else (site.gain.size,)
-
-
-def _stored_constant(tensor: gs.Tensor) -> Optional[gs.Constant]:
-    """Follow Cast/Identity back to the initializer that stores the values."""
-    for _ in range(4):
-        if isinstance(tensor, gs.Constant):
-            return tensor
-        node = producer(tensor)
-        if node is None or node.op not in ("Cast", "Identity"):
-            return None
-        tensor = node.inputs[0]
-    return None
 
 
 def _numeric(dtype: np.dtype) -> np.dtype:

@@ -16,7 +16,7 @@ import onnx
 import onnx_graphsurgeon as gs
 from onnx import TensorProto, helper, numpy_helper
 
-from flashnorm.match.constants import constant_value, tensor_rank
+from flashnorm.match.queries import constant_value, tensor_rank
 from flashnorm.match.gain import gain_slot_shape
 from flashnorm.match.rejection import Rejected
 from flashnorm.match.site import NormSite

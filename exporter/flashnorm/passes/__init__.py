@@ -6,24 +6,34 @@ from __future__ import annotations
 
 import importlib
 import os
+import tempfile
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
 import onnx_graphsurgeon as gs
 
-from flashnorm.errors import FlashNormError
+from flashnorm.errors import FlashNormError, require_file
 from flashnorm.report import PassReport
 
-# Pass name → module under flashnorm.passes; each module defines a function of the same name.
-# Imported on first use, so a missing or broken pass does not break the others.
-PASSES: dict[str, str] = {"fold": "fold", "cancel": "cancel", "defer": "defer"}
+# Pass name → (module under flashnorm.passes, which defines a function of the same name; the
+# `run_passes` options that function takes). Imported on first use, so a missing or broken pass
+# does not break the others.
+PASSES: dict[str, tuple[str, tuple[str, ...]]] = {
+    "fold": ("fold", ("untie",)),
+    "cancel": ("cancel", ()),
+    "defer": ("defer", ()),
+}
 DEFAULT_PASSES: tuple[str, ...] = ("fold", "cancel")
 
 
-def get_pass(name: str) -> Callable[..., tuple[gs.Graph, PassReport]]:
+def _known(name: str) -> tuple[str, tuple[str, ...]]:
     if name not in PASSES:
         raise FlashNormError(f"unknown pass {name!r}; available: {', '.join(PASSES)}")
-    module_name = f"flashnorm.passes.{PASSES[name]}"
+    return PASSES[name]
+
+
+def get_pass(name: str) -> Callable[..., tuple[gs.Graph, PassReport]]:
+    module_name = f"flashnorm.passes.{_known(name)[0]}"
     try:
         module = importlib.import_module(module_name)
     except ModuleNotFoundError as exc:
@@ -41,26 +51,38 @@ def parse_pass_names(names: str | Sequence[str]) -> list[str]:
     if not names:
         raise FlashNormError(f"no passes given; available: {', '.join(PASSES)}")
     for name in names:
-        if name not in PASSES:
-            raise FlashNormError(f"unknown pass {name!r}; available: {', '.join(PASSES)}")
+        _known(name)
     return list(names)
 
 
 def run_passes(graph: gs.Graph, names: Sequence[str], *, untie: bool = False) -> tuple[gs.Graph, list[PassReport]]:
-    """Apply the named passes in order; `untie` reaches the fold pass only. Missing element
-    types (the legacy torch exporter writes none) are inferred first: passes that build new
-    nodes need them."""
+    """Apply the named passes in order, each with the options it takes (`untie`: fold).
+    Missing element types (the legacy torch exporter writes none) are inferred first: passes
+    that build new nodes need them."""
     from flashnorm.match.shapes import annotate_types
 
-    names = parse_pass_names(names)
+    options = {"untie": untie}
+    passes = [(get_pass(name), PASSES[name][1]) for name in parse_pass_names(names)]
     annotate_types(graph)
     reports = []
-    for name in names:
-        function = get_pass(name)
-        graph, report = function(graph, untie=untie) if name == "fold" else function(graph)
+    for function, takes in passes:
+        graph, report = function(graph, **{option: options[option] for option in takes})
         graph.cleanup().toposort()
         reports.append(report)
     return graph, reports
+
+
+def _check_writable(destination: Path) -> None:
+    """Fail before any work if `destination`'s folder takes no new file: a real probe, since
+    permission bits say nothing about /proc, read-only mounts or full disks."""
+    directory = destination.parent if str(destination.parent) else Path(".")
+    if not directory.is_dir():
+        raise FlashNormError(f"cannot write {destination}: directory {directory} does not exist")
+    try:
+        with tempfile.NamedTemporaryFile(dir=directory, prefix=f".{destination.name}.", suffix=".probe"):
+            pass
+    except OSError as exc:
+        raise FlashNormError(f"cannot write {destination}: {exc.strerror or exc}") from None
 
 
 def optimize_file(
@@ -74,25 +96,22 @@ def optimize_file(
     """Load `in_path`, run `passes`, save to `out_path` (atomically; the input is never
     written). Raises FlashNormError for bad input: unknown pass, unreadable or invalid
     model, no RMSNorm found, unwritable output."""
-    from flashnorm import io
+    from flashnorm import modelio
     from flashnorm.match import find_norm_candidates
 
     names = parse_pass_names(passes)
     source, destination = Path(in_path), Path(out_path)
-    if not source.is_file():
-        raise FlashNormError(f"input {source} does not exist or is not a file")
+    require_file("model", source)
     if destination.exists() and destination.resolve() == source.resolve():
         raise FlashNormError(f"output {destination} is the input; FlashNorm never overwrites its input")
-    directory = destination.parent if str(destination.parent) else Path(".")
-    if not directory.is_dir() or not os.access(directory, os.W_OK):
-        raise FlashNormError(f"cannot write {destination}: directory {directory} is missing or not writable")
-    graph = io.load(source)
+    _check_writable(destination)
+    graph = modelio.load(source)
     found = find_norm_candidates(graph)
     if not found.sites:
         why = f" ({len(found.rejected)} near-misses: {found.rejected[0].reason})" if found.rejected else ""
         raise FlashNormError(f"no RMSNorm found in {source}{why}")
     graph, reports = run_passes(graph, names, untie=untie)
-    io.save(graph, destination, external_data=external_data)
+    modelio.save(graph, destination, external_data=external_data)
     summary: dict[str, int] = {}
     for report in reports:
         for action, count in report.to_dict()["counts"].items():

@@ -29,7 +29,8 @@ from onnx import TensorProto
 from flashnorm.match import NormSite, find_norm_sites
 from flashnorm.match.shapes import inferred_shapes
 from flashnorm.match.gain import gain_slot_shape
-from flashnorm.match.constants import SHAPE_ONLY_OPS, constant_value, is_constant_expression, onnx_to_numpy_dtype, tensor_rank
+from flashnorm.match.projection import linear_use
+from flashnorm.match.queries import SHAPE_ONLY_OPS, constant_value, is_constant_expression, onnx_to_numpy_dtype, tensor_rank
 from flashnorm.report import PassReport
 
 TOKEN, CHANNEL = "token", "channel"
@@ -123,7 +124,7 @@ class _Walker:
         first = node.inputs[0] is tensor and all(t is not tensor for t in node.inputs[1:])
         op = node.op
         if op in _LINEAR_WEIGHT_OPS or op == "Gemm":
-            return [(node.outputs[0], self._linear(node, where, first, layout))]
+            return [(node.outputs[0], self._linear(node, tensor, where, first, layout))]
         if op == "Reshape" and first:
             return [(node.outputs[0], _reshape_layout(node, tensor, layout, where))]
         if op == "Transpose":
@@ -157,15 +158,14 @@ class _Walker:
             raise NotCancellable(f"{where} adds a bias or residual: breaks positive homogeneity")
         raise NotCancellable(f"{where} is not a bias-free positively homogeneous op")
 
-    def _linear(self, node: gs.Node, where: str, first: bool, layout: Layout) -> Layout:
-        if not first:
-            raise NotCancellable(f"{where} does not read the normalized path as its left operand only")
-        if node.op == "Gemm":
-            if int(node.attrs.get("transA", 0)) != 0:
-                raise NotCancellable(f"{where} has transA=1")
-            if len(node.inputs) > 2 and node.inputs[2].name:
+    def _linear(self, node: gs.Node, tensor: gs.Tensor, where: str, first: bool, layout: Layout) -> Layout:
+        use = linear_use(node, tensor, where, NotCancellable)
+        if use is None:  # MatMulNBits: x·W with a packed weight, bias at input 5
+            if not first:
+                raise NotCancellable(f"{where} does not read the normalized path as its left operand only")
+            if len(node.inputs) > 5 and node.inputs[5].name:
                 raise NotCancellable(f"{where} has a bias")
-        if node.op == "MatMulNBits" and len(node.inputs) > 5 and node.inputs[5].name:
+        elif use.bias is not None:
             raise NotCancellable(f"{where} has a bias")
         weight = node.inputs[1]
         if not is_constant_expression(weight):

@@ -3,22 +3,21 @@
 After folding, a weightless norm whose consumers are all projections (MatMul with a constant
 [K,N] weight, or the same weight behind a Transpose or Gemm transB=1; Shape readers move to
 the norm's input, which has the same shape) becomes one
-`flashnorm::FlashNormMatMul` node: inputs x and the consumers' weights concatenated along N,
+`flashnorm::FlashNormMatMul<N>` node: inputs x and the consumers' weights concatenated along N,
 one output per consumer. A Gemm bias stays a separate Add after the node (scale first, then
 bias: exact). The node carries what TensorRT's parser needs to pick the FlashNorm plugin
-(`plugin_version`, `plugin_namespace`; `eps` FLOAT and `splits` INTS become the plugin
-fields eps FLOAT32 and splits INT32) and the model carries a model-local ONNX function of the
+(`plugin_version`, `plugin_namespace`; `eps` FLOAT, `splits` INTS and `strategy` INT become the
+plugin fields eps FLOAT32, splits INT32 and strategy INT32) and the model carries a model-local ONNX function of the
 same name with the reference decomposition, so ONNX Runtime (and TensorRT without the
 plugin, within the limits docs/TENSORRT.md gives) runs the same file.
 
 Weights are not read while the pass runs: planning checks shapes and dtypes, and the
-concatenated weight is an `io.DerivedValues` that `io.save` assembles while writing it, one
-consumer weight at a time.
+concatenated weight is a `DerivedValues` that `flashnorm.modelio.saving` assembles while
+writing it, one consumer weight at a time.
 
-One function per output count: ONNX fixes a function's outputs, and a q|k|v node has three
-while a gate|up node has two. The functions are overloads (ONNX IR 10) of one name;
-onnx-graphsurgeon does not model overloads, so `add_reference_functions` writes them into the
-exported ModelProto (`flashnorm.io` calls it on every save).
+One op type per output count (`FlashNormMatMul3` for q|k|v, `FlashNormMatMul2` for gate|up;
+flashnorm.contract says why), each with its function (`flashnorm.reference_functions`) in the
+graph's model-local functions.
 """
 
 from __future__ import annotations
@@ -27,28 +26,18 @@ import dataclasses
 from typing import Optional
 
 import numpy as np
-import onnx
 import onnx_graphsurgeon as gs
-from onnx import helper
+from onnx import TensorProto
 from onnx_graphsurgeon.ir.tensor import LazyValues
 
-from flashnorm.io import DerivedValues
+from flashnorm import contract
 from flashnorm.match import NormSite, find_norm_sites
-from flashnorm.match.constants import constant_value, numpy_dtype, stored_dtype_name, through_transpose
+from flashnorm.match.projection import LinearUse, linear_use
+from flashnorm.match.queries import constant_value, numpy_dtype, producer, stored_dtype_name
+from flashnorm.modelio.values import DerivedValues, stored_values
 from flashnorm.progress import track
+from flashnorm.reference_functions import add_reference_functions
 from flashnorm.report import PassReport
-
-DOMAIN = "flashnorm"
-OP_TYPE = "FlashNormMatMul"
-PLUGIN_VERSION = "1"
-PLUGIN_NAMESPACE = "flashnorm"
-DOMAIN_VERSION = 1
-MAX_OUTPUTS = 8  # FLASHNORM_MAX_OUTPUTS in flashnorm/flashnorm.h
-MIN_OPSET = 15  # the reference function uses CastLike
-MIN_IR_VERSION = 10  # function overloads
-
-_FLOAT_NAMES = {"float16", "bfloat16", "float32"}  # the plugin's types
-
 
 class NotDeferrable(Exception):
     """Why a site cannot become a FlashNormMatMul (one line)."""
@@ -84,12 +73,11 @@ class Projection:
         return weight
 
 
-def _constant_matrix(tensor: gs.Tensor, where: str) -> tuple[gs.Constant, bool]:
-    """A weight as a constant and whether it sat behind a Transpose([1, 0]). An initializer is
-    returned as it is (its values stay unread); a weight computed from constants (Constant
-    node, Cast, ...) is evaluated into a new in-memory constant."""
-    tensor, transpose = through_transpose(tensor, where, NotDeferrable)
-    transposed = transpose is not None
+def _constant_matrix(use: LinearUse, where: str) -> tuple[gs.Constant, bool]:
+    """A weight as a constant and whether it is stored [N, K]. An initializer is returned as it
+    is (its values stay unread); a weight computed from constants (Constant node, Cast, ...) is
+    evaluated into a new in-memory constant."""
+    tensor, _, transposed = use.stored_weight(where, NotDeferrable)
     if isinstance(tensor, gs.Constant):
         constant = tensor
     else:
@@ -101,57 +89,56 @@ def _constant_matrix(tensor: gs.Tensor, where: str) -> tuple[gs.Constant, bool]:
     if rank != 2:
         raise NotDeferrable(f"{where}: weight {tensor.name!r} has rank {rank}, not 2")
     dtype = stored_dtype_name(constant)
-    if dtype not in _FLOAT_NAMES:
+    if dtype not in contract.FLOAT_TYPES:
         raise NotDeferrable(f"{where}: weight {tensor.name!r} has dtype {dtype} (quantized or integer)")
     return constant, transposed
 
 
-def _projection(site: NormSite, node: gs.Node, dtype: str, hidden: Optional[int]) -> Projection:
+def _projection(site: NormSite, node: gs.Node, dtype: str) -> Projection:
     where = f"consumer {node.op} {node.name!r}"
-    bias = None
-    if node.op == "MatMul":
-        if node.inputs[0] is not site.output or node.inputs[1] is site.output:
-            raise NotDeferrable(f"{where} does not read the normalized tensor as its left operand only")
-        weight, transposed = _constant_matrix(node.inputs[1], where)
-        alpha = 1.0
-    elif node.op == "Gemm":
-        if node.inputs[0] is not site.output or int(node.attrs.get("transA", 0)) != 0:
-            raise NotDeferrable(f"{where} does not read the normalized tensor as A (transA=0)")
-        if node.inputs[1] is site.output or (len(node.inputs) > 2 and node.inputs[2] is site.output):
-            raise NotDeferrable(f"{where} reads the normalized tensor as B or C")
-        weight, transposed = _constant_matrix(node.inputs[1], where)
-        transposed = transposed != (int(node.attrs.get("transB", 0)) == 1)
-        alpha = float(node.attrs.get("alpha", 1.0))
-        if len(node.inputs) > 2 and node.inputs[2].name:
-            c = constant_value(node.inputs[2])
-            if c is None:
-                raise NotDeferrable(f"{where}: bias {node.inputs[2].name!r} is not a constant")
-            beta = float(node.attrs.get("beta", 1.0))
-            bias = c if beta == 1.0 else (c.astype(np.float64) * beta).astype(c.dtype)
-    else:
+    use = linear_use(node, site.output, where, NotDeferrable)
+    if use is None:
         raise NotDeferrable(f"{where} is not a projection (MatMul or Gemm with a constant weight)")
+    weight, transposed = _constant_matrix(use, where)
+    alpha = float(node.attrs.get("alpha", 1.0)) if node.op == "Gemm" else 1.0
+    bias = None
+    if use.bias is not None:
+        c = constant_value(use.bias)
+        if c is None:
+            raise NotDeferrable(f"{where}: bias {use.bias.name!r} is not a constant")
+        beta = float(node.attrs.get("beta", 1.0))
+        bias = c if beta == 1.0 else (c.astype(np.float64) * beta).astype(c.dtype)
     if stored_dtype_name(weight) != dtype:
         raise NotDeferrable(f"{where}: weight dtype {stored_dtype_name(weight)} differs from the activation's {dtype}")
     projection = Projection(node, weight, transposed, alpha, node.outputs[0], bias)
-    if hidden is not None and projection.shape[0] != hidden:
-        raise NotDeferrable(f"{where}: weight has {projection.shape[0]} rows, the norm has {hidden} channels")
+    if site.hidden_size and projection.shape[0] != site.hidden_size:
+        raise NotDeferrable(f"{where}: weight has {projection.shape[0]} rows, the norm has {site.hidden_size} channels")
     output = node.outputs[0]
     if output.dtype is not None and stored_dtype_name(output) != dtype:
         raise NotDeferrable(f"{where}: output dtype {stored_dtype_name(output)} differs from the activation's {dtype}")
     return projection
 
 
-def _hidden_size(site: NormSite) -> Optional[int]:
-    if site.hidden_size:
-        return int(site.hidden_size)
-    shape = getattr(site.input, "shape", None)
-    if shape and isinstance(shape[-1], (int, np.integer)) and int(shape[-1]) > 0:
-        return int(shape[-1])
-    return None
+def deferred_input(site: NormSite) -> gs.Tensor:
+    """The tensor the FlashNormMatMul node reads: the norm's input or, where the norm casts a
+    half-precision input up to float32 and its output back down (transformers computes every
+    RMSNorm in fp32), that half input: the node computes the RMS in fp32 itself."""
+    source = site.input
+    for _ in range(2):  # Cast(half → fp32), possibly followed by an fp32 → fp32 Cast
+        node = producer(source)
+        if node is None or node.op != "Cast" or int(node.attrs.get("to", 0)) != TensorProto.FLOAT:
+            return site.input
+        source = node.inputs[0]
+        if stored_dtype_name(source) in ("float16", "bfloat16"):
+            return source if stored_dtype_name(site.output) == stored_dtype_name(source) else site.input
+    return site.input
 
 
 @dataclasses.dataclass
 class DeferPlan:
+    activation: gs.Tensor
+    """What the node reads: `deferred_input(site)`."""
+
     projections: list[Projection]
     shape_readers: list[gs.Node]
     """Shape nodes that read the normalized tensor; they will read the norm's input."""
@@ -168,10 +155,11 @@ def plan_defer(site: NormSite, graph_outputs: frozenset[str]) -> DeferPlan:
         raise NotDeferrable(f"normalized axis {site.axis} is not the last")
     if site.output.name in graph_outputs:
         raise NotDeferrable("the normalized tensor is a graph output")
-    dtype = stored_dtype_name(site.input) or stored_dtype_name(site.output)
+    activation = deferred_input(site)
+    dtype = stored_dtype_name(activation) or stored_dtype_name(site.output)
     if not dtype:
         raise NotDeferrable("the activation dtype is unknown (run shape inference)")
-    if dtype not in _FLOAT_NAMES:
+    if dtype not in contract.FLOAT_TYPES:
         raise NotDeferrable(f"activation dtype {dtype} is not float32, float16 or bfloat16")
     if site.output.dtype is not None and stored_dtype_name(site.output) != dtype:
         raise NotDeferrable(f"the norm changes dtype ({dtype} → {stored_dtype_name(site.output)})")
@@ -181,13 +169,12 @@ def plan_defer(site: NormSite, graph_outputs: frozenset[str]) -> DeferPlan:
         raise NotDeferrable("the normalized tensor has no consumers that read its values")
     if shape_readers and not _keeps_shape(site):
         raise NotDeferrable("a Shape node reads the normalized tensor and the gain may broadcast it to another shape")
-    if len(consumers) > MAX_OUTPUTS:
-        raise NotDeferrable(f"{len(consumers)} consumers; the plugin takes at most {MAX_OUTPUTS}")
-    hidden = _hidden_size(site)
-    projections = [_projection(site, node, dtype, hidden) for node in consumers]
+    if len(consumers) > contract.MAX_OUTPUTS:
+        raise NotDeferrable(f"{len(consumers)} consumers; the plugin takes at most {contract.MAX_OUTPUTS}")
+    projections = [_projection(site, node, dtype) for node in consumers]
     if len({p.shape[0] for p in projections}) != 1:
         raise NotDeferrable("the consumers' weights disagree on K")
-    return DeferPlan(projections, shape_readers)
+    return DeferPlan(activation, projections, shape_readers)
 
 
 def _reads_only_shape(site: NormSite, node: gs.Node) -> bool:
@@ -209,7 +196,7 @@ def apply_defer(graph: gs.Graph, site: NormSite, plan: DeferPlan) -> gs.Node:
     """Replace the projections by one FlashNormMatMul reading the norm's input; the norm's own
     nodes become dead and go at the next cleanup."""
     for reader in plan.shape_readers:
-        reader.inputs[0] = site.input
+        reader.inputs[0] = plan.activation
     projections = plan.projections
     weight_constant = gs.Constant(f"{site.name}.flashnorm_deferred_weight", _concatenated(projections))
     outputs, bias_nodes = [], []
@@ -224,16 +211,17 @@ def apply_defer(graph: gs.Graph, site: NormSite, plan: DeferPlan) -> gs.Node:
         bias_nodes.append(gs.Node("Add", name=f"{p.output.name}.flashnorm_bias_add",
                                   inputs=[unbiased, bias], outputs=[p.output]))
     node = gs.Node(
-        OP_TYPE,
+        contract.op_type(len(outputs)),
         name=f"{site.name}.flashnorm_matmul",
-        domain=DOMAIN,
+        domain=contract.DOMAIN,
         attrs={
-            "plugin_version": PLUGIN_VERSION,
-            "plugin_namespace": PLUGIN_NAMESPACE,
+            "plugin_version": contract.PLUGIN_VERSION,
+            "plugin_namespace": contract.PLUGIN_NAMESPACE,
             "eps": float(site.eps),
             "splits": [p.shape[1] for p in projections],
+            "strategy": contract.STRATEGY_AUTO,
         },
-        inputs=[site.input, weight_constant],
+        inputs=[plan.activation, weight_constant],
         outputs=outputs,
     )
     graph.nodes.append(node)
@@ -247,7 +235,7 @@ def _concatenated(projections: list[Projection]) -> DerivedValues:
     result and one consumer weight, never all of them twice."""
     first = projections[0]
     # Each weight's values object as it is now, as DerivedValues keeps its own source's.
-    sources = [p.weight._values for p in projections]
+    sources = [stored_values(p.weight) for p in projections]
     widths = [p.shape[1] for p in projections]
     rows, columns = first.shape[0], sum(widths)
     dtype = numpy_dtype(first.weight.dtype)  # planning checked that every weight has the activation's dtype
@@ -274,12 +262,12 @@ def defer(graph: gs.Graph) -> tuple[gs.Graph, PassReport]:
     report = PassReport("defer")
     sites = find_norm_sites(graph)
     opset = graph.opset or 0
-    if opset < MIN_OPSET:
+    if opset < contract.MIN_OPSET:
         for site in sites:
-            report.add(site.name, "skipped", f"model opset {opset} < {MIN_OPSET} (the reference function needs CastLike)")
+            report.add(site.name, "skipped", f"model opset {opset} < {contract.MIN_OPSET} (the reference function needs CastLike)")
         return graph, report
     graph_outputs = frozenset(t.name for t in graph.outputs)
-    for site in track(sites, "defer", total=len(sites)):
+    for site in track(sites, "defer: sites checked", total=len(sites)):
         try:
             plan = plan_defer(site, graph_outputs)
         except NotDeferrable as exc:
@@ -291,83 +279,6 @@ def defer(graph: gs.Graph) -> tuple[gs.Graph, PassReport]:
                    biases=sum(p.bias is not None for p in plan.projections),
                    shape_readers=len(plan.shape_readers))
     if report.count("deferred"):
-        graph.ir_version = max(graph.ir_version or 0, MIN_IR_VERSION)
+        add_reference_functions(graph)
     graph.cleanup().toposort()
     return graph, report
-
-
-# --------------------------------------------------------------------------------------------
-# The reference decomposition, as model-local ONNX functions
-
-
-def overload_name(num_outputs: int) -> str:
-    return f"outputs{num_outputs}"
-
-
-def reference_function(num_outputs: int, opset: int) -> onnx.FunctionProto:
-    """FlashNormMatMul with `num_outputs` outputs, attributes eps (FLOAT) and splits (INTS):
-    y = CastLike((x·W)/sqrt(mean(x², -1) + eps) in float32, x), split along the last axis."""
-    nodes = [
-        helper.make_node("Cast", ["x"], ["x32"], to=onnx.TensorProto.FLOAT),
-        helper.make_node("Cast", ["W"], ["w32"], to=onnx.TensorProto.FLOAT),
-        helper.make_node("Mul", ["x32", "x32"], ["squares"]),
-    ]
-    if opset >= 18:
-        nodes += [
-            helper.make_node("Constant", [], ["last_axis"], value_ints=[-1]),
-            helper.make_node("ReduceMean", ["squares", "last_axis"], ["mean_square"], keepdims=1),
-        ]
-    else:
-        nodes.append(helper.make_node("ReduceMean", ["squares"], ["mean_square"], axes=[-1], keepdims=1))
-    eps = helper.make_node("Constant", [], ["eps"])
-    eps.attribute.append(_attribute_ref("value_float", "eps", onnx.AttributeProto.FLOAT))
-    splits = helper.make_node("Constant", [], ["splits"])
-    splits.attribute.append(_attribute_ref("value_ints", "splits", onnx.AttributeProto.INTS))
-    outputs = [f"y{i}" for i in range(num_outputs)]
-    nodes += [
-        eps,
-        helper.make_node("Add", ["mean_square", "eps"], ["variance"]),
-        helper.make_node("Sqrt", ["variance"], ["rms"]),
-        helper.make_node("MatMul", ["x32", "w32"], ["projected"]),
-        helper.make_node("Div", ["projected", "rms"], ["scaled"]),
-        helper.make_node("CastLike", ["scaled", "x"], ["y"]),
-        splits,
-        helper.make_node("Split", ["y", "splits"], outputs, axis=-1),
-    ]
-    function = helper.make_function(
-        DOMAIN, OP_TYPE, ["x", "W"], outputs, nodes, [helper.make_opsetid("", opset)], attributes=["eps", "splits"],
-        doc_string="FlashNorm deferred RMSNorm + projection, reference decomposition: "
-                   "(x·W) / sqrt(mean(x², axis=-1) + eps), split by `splits` along the last axis.",
-    )
-    function.overload = overload_name(num_outputs)
-    return function
-
-
-def _attribute_ref(name: str, ref: str, attribute_type: int) -> onnx.AttributeProto:
-    attribute = onnx.AttributeProto()
-    attribute.name, attribute.ref_attr_name, attribute.type = name, ref, attribute_type
-    return attribute
-
-
-def add_reference_functions(model: onnx.ModelProto) -> onnx.ModelProto:
-    """Give every FlashNormMatMul node of `model` its overload and the model the matching
-    reference functions and opset import. Idempotent; a model without such nodes is left as
-    it is."""
-    arities = set()
-    for node in model.graph.node:
-        if node.op_type == OP_TYPE and node.domain == DOMAIN:
-            node.overload = overload_name(len(node.output))
-            arities.add(len(node.output))
-    if not arities:
-        return model
-    opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), None)
-    if opset is None:
-        raise ValueError("model has no default-domain opset import")
-    kept = [f for f in model.functions if not (f.domain == DOMAIN and f.name == OP_TYPE)]
-    del model.functions[:]
-    model.functions.extend(kept)
-    model.functions.extend(reference_function(n, opset) for n in sorted(arities))
-    if not any(o.domain == DOMAIN for o in model.opset_import):
-        model.opset_import.append(helper.make_opsetid(DOMAIN, DOMAIN_VERSION))
-    model.ir_version = max(model.ir_version, MIN_IR_VERSION)
-    return model

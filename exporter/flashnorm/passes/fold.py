@@ -8,9 +8,16 @@ op with a constant float weight; a weight any other node also reads (a tied embe
 never changed in place: the site keeps its gain, or with `untie=True` its consumer gets its
 own folded copy. Quantized weights are never folded.
 
-Weights are not read while the pass runs: planning checks shapes and dtypes only, and each
-folded weight is an `io.DerivedValues` that `io.save` computes while writing it, so a model
-larger than memory is folded one tensor at a time.
+Float32 weights are not read while the pass runs: planning checks shapes and dtypes only,
+and each folded weight is a `DerivedValues` that `flashnorm.modelio.saving` computes while
+writing it, so a model larger than memory is folded one tensor at a time.
+
+Half-precision weights (float16, bfloat16) are read once while planning, one at a time: the
+fold computes g·W in float64 and rounds it once to the weight's type, which is not exact, so
+planning measures what that rounding does (`FoldRounding`: the largest relative change of a
+folded element and the relative L2 change of the weight, which is also the expected relative
+change of the projection's output for inputs uncorrelated with the rounding) and refuses a
+site where some |g·W| would round to infinity in that type.
 """
 
 from __future__ import annotations
@@ -21,9 +28,18 @@ from typing import Callable, Optional
 import numpy as np
 import onnx_graphsurgeon as gs
 
-from flashnorm.io import DerivedValues
+from flashnorm.modelio.values import DerivedValues
 from flashnorm.match import NormSite, find_norm_sites
-from flashnorm.match.constants import SHAPE_ONLY_OPS, numpy_dtype, producer, stored_dtype_name, through_transpose
+from flashnorm.match.projection import linear_use
+from flashnorm.match.queries import (
+    SHAPE_ONLY_OPS,
+    constant_array,
+    holding_constant,
+    numpy_dtype,
+    producer,
+    stored_dtype_name,
+    stored_initializer,
+)
 from flashnorm.match.gain import gain_slot_shape
 from flashnorm.progress import track
 from flashnorm.report import PassReport
@@ -32,6 +48,8 @@ _QUANTIZED_OPS = {"MatMulNBits", "MatMulInteger", "QLinearMatMul", "MatMulIntege
                   "MatMulBnb4", "GatherBlockQuantized", "QGemm"}
 _DEQUANTIZE_OPS = {"DequantizeLinear", "DynamicQuantizeLinear", "QuantizeLinear"}
 _FOLDABLE_DTYPES = {"float16", "bfloat16", "float32", "float64", "double", "float"}
+# What may sit between a weight and its initializer without changing its values.
+_WEIGHT_STORAGE_OPS = frozenset({"Cast", "Identity", "Reshape", "Transpose"})
 
 
 @dataclasses.dataclass
@@ -52,6 +70,76 @@ class WeightEdit:
 
     transpose: Optional[gs.Node] = None
     shared_with: list[str] = dataclasses.field(default_factory=list)
+    rounding: Optional["FoldRounding"] = None
+    """What rounding g·W to a half type does to this weight (None for float32 and float64)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class FoldRounding:
+    """The error of rounding W* = g·W (float64) once to the weight's half type."""
+
+    max_relative_change: float
+    """max over nonzero elements of |round(g·W) − g·W| / |g·W|: at most the type's unit
+    roundoff (2⁻¹¹ fp16, 2⁻⁸ bf16) for normal numbers, more where g·W is subnormal."""
+
+    rel_l2_change: float
+    """‖round(g·W) − g·W‖_F / ‖g·W‖_F: for inputs uncorrelated with the rounding, the
+    expected relative L2 change of the projection's output."""
+
+    largest: float
+    """max |g·W|, against the type's largest finite value."""
+
+
+HALF_DTYPES = frozenset({"float16", "bfloat16"})
+
+
+def largest_finite(dtype: np.dtype) -> float:
+    """The largest finite value of a float dtype (ml_dtypes' bfloat16 included)."""
+    if dtype.name == "bfloat16":
+        import ml_dtypes
+
+        return float(ml_dtypes.finfo(dtype).max)
+    return float(np.finfo(dtype).max)
+
+
+def measure_rounding(weight: np.ndarray, gain: np.ndarray, where: str) -> FoldRounding:
+    """FoldRounding of folding `gain` (float64, broadcasting over `weight`) into `weight`;
+    NotFoldable where some |g·W| rounds to infinity in the weight's type."""
+    exact = weight.astype(np.float64) * gain
+    largest = float(np.max(np.abs(exact))) if exact.size else 0.0
+    limit = largest_finite(weight.dtype)
+    with np.errstate(over="ignore"):
+        rounded = exact.astype(weight.dtype)
+    if not np.all(np.isfinite(rounded.astype(np.float32))):
+        raise NotFoldable(f"{where}: |g·W| reaches {largest:.6g}, beyond {weight.dtype.name}'s largest finite "
+                          f"value {limit:.6g}: folding would write inf; kept the gain")
+    change = rounded.astype(np.float64) - exact
+    nonzero = exact != 0
+    relative = np.abs(change[nonzero]) / np.abs(exact[nonzero])
+    norm = float(np.linalg.norm(exact))
+    return FoldRounding(
+        max_relative_change=float(relative.max()) if relative.size else 0.0,
+        rel_l2_change=float(np.linalg.norm(change)) / norm if norm > 0 else 0.0,
+        largest=largest,
+    )
+
+
+def site_rounding(edits: list[WeightEdit]) -> Optional[dict[str, float]]:
+    """A site's rounding report over its folded weights (None when no weight is half):
+    the largest relative element change, and the relative L2 change of the site's
+    projections' outputs together, the estimate of the error the fold adds there."""
+    measured = [e for e in edits if e.rounding is not None]
+    if not measured:
+        return None
+    sizes = [float(np.prod(e.shape)) for e in measured]
+    # ‖ΔW‖²/‖W‖² of each weight, weighted by its share of the elements (similar scales).
+    mean_square = sum(e.rounding.rel_l2_change ** 2 * n for e, n in zip(measured, sizes)) / sum(sizes)
+    return {
+        "weight_dtype": measured[0].dtype.name,
+        "max_relative_change": max(e.rounding.max_relative_change for e in measured),
+        "estimated_output_rel_l2": float(np.sqrt(mean_square)),
+        "largest_folded_value": max(e.rounding.largest for e in measured),
+    }
 
 
 class NotFoldable(Exception):
@@ -79,6 +167,8 @@ def plan_fold(site: NormSite, graph_outputs: frozenset[str], *, untie: bool = Fa
             f"weight {e.weight.name!r} of {e.node.op} {e.node.name!r} is shared with "
             f"{', '.join(e.shared_with)} (tied); kept the gain (use --untie to copy and fold)"
         )
+    for edit in edits:
+        _measure(site, edit)
     return edits
 
 
@@ -86,27 +176,18 @@ def _weight_edit(site: NormSite, node: gs.Node) -> WeightEdit:
     where = f"consumer {node.op} {node.name!r}"
     if node.op in _QUANTIZED_OPS:
         raise NotFoldable(f"{where} has a quantized weight (fold needs dequantize → fold → requantize)")
-    if node.op == "MatMul":
-        if node.inputs[0] is not site.output or node.inputs[1] is site.output:
-            raise NotFoldable(f"{where} reads the normalized tensor as its right-hand operand")
-        index, transposed = 1, False
-    elif node.op == "Gemm":
-        if node.inputs[0] is not site.output or int(node.attrs.get("transA", 0)) != 0:
-            raise NotFoldable(f"{where} does not read the normalized tensor as A (transA=0)")
-        index, transposed = 1, int(node.attrs.get("transB", 0)) == 1
-    else:
+    use = linear_use(node, site.output, where, NotFoldable)
+    if use is None:
         raise NotFoldable(f"{where} is not a linear op with a constant weight")
-    weight, transpose = through_transpose(node.inputs[index], where, NotFoldable)
-    if transpose is not None:
-        transposed = not transposed
+    weight, transpose, transposed = use.stored_weight(where, NotFoldable)
     source = producer(weight)
     if source is not None and source.op in _DEQUANTIZE_OPS:
         raise NotFoldable(f"{where} has a quantized weight ({source.op}); fold needs dequantize → fold → requantize")
-    stored = _stored_weight(weight)
+    stored = stored_initializer(weight, through=_WEIGHT_STORAGE_OPS)
     if stored is not None and stored_dtype_name(stored) not in _FOLDABLE_DTYPES:
         raise NotFoldable(f"{where}: weight {stored.name!r} is stored as {stored_dtype_name(stored)} "
                           "(quantized or integer); never folded")
-    constant = _weight_constant(weight)
+    constant = holding_constant(weight)
     if constant is None:
         raise NotFoldable(f"{where}: weight {weight.name!r} is not a constant")
     dtype = numpy_dtype(constant.dtype)
@@ -123,29 +204,17 @@ def _weight_edit(site: NormSite, node: gs.Node) -> WeightEdit:
     if transpose is not None:
         readers += [n for n in transpose.outputs[0].outputs if n is not node]
     shared_with = [f"{n.op} {n.name!r}" for n in readers]
-    return WeightEdit(node, index, weight, constant, shape, dtype, gain_axis, transpose, shared_with)
+    return WeightEdit(node, use.weight_index, weight, constant, shape, dtype, gain_axis, transpose, shared_with)
 
 
-def _stored_weight(weight: gs.Tensor) -> Optional[gs.Tensor]:
-    """The initializer behind Cast/Identity/Reshape chains, if any."""
-    for _ in range(4):
-        if isinstance(weight, gs.Constant):
-            return weight
-        node = producer(weight)
-        if node is None or node.op not in ("Cast", "Identity", "Reshape", "Transpose"):
-            return None
-        weight = node.inputs[0]
-    return None
-
-
-def _weight_constant(weight: gs.Tensor) -> Optional[gs.Constant]:
-    """The constant that holds `weight`'s values: an initializer or a Constant node's value."""
-    if isinstance(weight, gs.Constant):
-        return weight
-    node = producer(weight)
-    if node is not None and node.op == "Constant" and isinstance(node.attrs.get("value"), gs.Constant):
-        return node.attrs["value"]
-    return None
+def _measure(site: NormSite, edit: WeightEdit) -> None:
+    """Read a half weight once and measure (and bound) what folding does to it."""
+    if edit.dtype.name not in HALF_DTYPES:
+        return
+    gain_shape = [1, 1]
+    gain_shape[edit.gain_axis] = site.gain.size
+    where = f"consumer {edit.node.op} {edit.node.name!r}"
+    edit.rounding = measure_rounding(constant_array(edit.stored), site.gain.reshape(gain_shape), where)
 
 
 def row_scaler(gain: np.ndarray, dtype: np.dtype) -> Callable[[np.ndarray], np.ndarray]:
@@ -200,7 +269,7 @@ def fold(graph: gs.Graph, *, untie: bool = False) -> tuple[gs.Graph, PassReport]
     report = PassReport("fold")
     graph_outputs = frozenset(t.name for t in graph.outputs)
     sites = find_norm_sites(graph)
-    for site in track(sites, "fold", total=len(sites)):
+    for site in track(sites, "fold: sites checked", total=len(sites)):
         try:
             edits = plan_fold(site, graph_outputs, untie=untie)
         except NotFoldable as exc:
@@ -208,7 +277,9 @@ def fold(graph: gs.Graph, *, untie: bool = False) -> tuple[gs.Graph, PassReport]
             continue
         graph.nodes.extend(apply_fold(site, edits))
         untied = [e.weight.name for e in edits if e.shared_with]
+        rounding = site_rounding(edits)
         report.add(site.name, "folded", "", spelling=site.spelling, gain_convention=site.gain_convention,
-                   consumers=[f"{e.node.op} {e.node.name}" for e in edits], untied=untied)
+                   consumers=[f"{e.node.op} {e.node.name}" for e in edits], untied=untied,
+                   **({"rounding": rounding} if rounding else {}))
     graph.cleanup().toposort()
     return graph, report

@@ -2,24 +2,27 @@
 or for an ONNX model served by ONNX Runtime from the Python backend."""
 
 from flashnorm.serve.config import ModelConfigOptions, parse_model_config, validated_model_config
+from flashnorm.serve.engine_profile import CheckedEngineSignature, check_engine_signature
 from flashnorm.serve.repository import (
     RepositoryResult,
     write_engine_repository,
     write_onnx_python_repository,
 )
 from flashnorm.serve.tensors import (
-    ModelSignature,
-    TensorSpec,
+    TritonSignature,
+    TritonTensor,
     signature_from_engine,
     signature_from_io_specs,
     signature_from_onnx,
 )
 
 __all__ = [
+    "CheckedEngineSignature",
     "ModelConfigOptions",
-    "ModelSignature",
+    "TritonSignature",
     "RepositoryResult",
-    "TensorSpec",
+    "TritonTensor",
+    "check_engine_signature",
     "parse_model_config",
     "signature_from_engine",
     "signature_from_io_specs",

@@ -12,12 +12,23 @@ import json
 from typing import Any
 
 from flashnorm.errors import FlashNormError
-from flashnorm.serve.tensors import ModelSignature, TensorSpec
+from flashnorm.serve.tensors import TritonSignature, TritonTensor
+
+
+@dataclasses.dataclass(frozen=True)
+class EnsembleStep:
+    """One step of an ensemble: the model it runs and its tensor maps (the model's own tensor
+    name → the ensemble's tensor name)."""
+
+    model_name: str
+    input_map: tuple[tuple[str, str], ...]
+    output_map: tuple[tuple[str, str], ...]
 
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfigOptions:
-    """Everything in a config.pbtxt besides the tensors."""
+    """Everything in a config.pbtxt besides the tensors. With `ensemble_steps` the platform is
+    "ensemble": no batcher and no instances of its own (its steps' models have them)."""
 
     name: str
     platform: str = ""  # e.g. "tensorrt_plan"
@@ -28,6 +39,7 @@ class ModelConfigOptions:
     instance_kind: str = "KIND_GPU"  # or KIND_CPU
     cuda_graphs: bool = False
     parameters: tuple[tuple[str, str], ...] = ()
+    ensemble_steps: tuple[EnsembleStep, ...] = ()
 
 
 def _quote(text: str) -> str:
@@ -35,7 +47,7 @@ def _quote(text: str) -> str:
     return json.dumps(text, ensure_ascii=False)
 
 
-def _tensor_block(spec: TensorSpec, max_batch_size: int) -> str:
+def _tensor_block(spec: TritonTensor, max_batch_size: int) -> str:
     dims = ", ".join(str(d) for d in spec.triton_dims(max_batch_size))
     return (
         "  {\n"
@@ -46,7 +58,24 @@ def _tensor_block(spec: TensorSpec, max_batch_size: int) -> str:
     )
 
 
-def render_model_config(signature: ModelSignature, options: ModelConfigOptions) -> str:
+def _map_block(field: str, pairs: tuple[tuple[str, str], ...]) -> str:
+    return "\n".join(f"      {field} {{ key: {_quote(key)} value: {_quote(value)} }}" for key, value in pairs)
+
+
+def _ensemble_block(steps: tuple[EnsembleStep, ...]) -> str:
+    blocks = ",\n".join(
+        "    {\n"
+        f"      model_name: {_quote(step.model_name)}\n"
+        "      model_version: -1\n"
+        f"{_map_block('input_map', step.input_map)}\n"
+        f"{_map_block('output_map', step.output_map)}\n"
+        "    }"
+        for step in steps
+    )
+    return f"ensemble_scheduling {{\n  step [\n{blocks}\n  ]\n}}"
+
+
+def render_model_config(signature: TritonSignature, options: ModelConfigOptions) -> str:
     """The config.pbtxt text for `signature` served with `options`."""
     if options.max_batch_size < 0:
         raise FlashNormError(f"--max-batch-size must be >= 0, got {options.max_batch_size}")
@@ -61,6 +90,9 @@ def render_model_config(signature: ModelSignature, options: ModelConfigOptions) 
     for field, specs in (("input", signature.inputs), ("output", signature.outputs)):
         blocks = ",\n".join(_tensor_block(spec, options.max_batch_size) for spec in specs)
         lines.append(f"{field} [\n{blocks}\n]")
+    if options.ensemble_steps:
+        lines.append(_ensemble_block(options.ensemble_steps))
+        return "\n".join(lines) + "\n"
     if options.max_batch_size > 0:
         lines.append(
             f"dynamic_batching {{\n  max_queue_delay_microseconds: {options.max_queue_delay_us}\n}}"
@@ -100,7 +132,7 @@ def parse_model_config(text: str) -> Any:
     return message
 
 
-def validated_model_config(signature: ModelSignature, options: ModelConfigOptions) -> str:
+def validated_model_config(signature: TritonSignature, options: ModelConfigOptions) -> str:
     """Render the config, parse it with Triton's schema and check the parse says what was meant."""
     text = render_model_config(signature, options)
     message = parse_model_config(text)
@@ -117,6 +149,10 @@ def validated_model_config(signature: ModelSignature, options: ModelConfigOption
         mismatches.append(f"inputs {[t.name for t in message.input]}")
     if [t.name for t in message.output] != expected_outputs:
         mismatches.append(f"outputs {[t.name for t in message.output]}")
+    steps = [(step.model_name, dict(step.input_map), dict(step.output_map))
+             for step in message.ensemble_scheduling.step]
+    if steps != [(step.model_name, dict(step.input_map), dict(step.output_map)) for step in options.ensemble_steps]:
+        mismatches.append(f"ensemble steps {steps}")
     if mismatches:
         raise FlashNormError(f"config.pbtxt parsed back differently: {', '.join(mismatches)}")
     return text

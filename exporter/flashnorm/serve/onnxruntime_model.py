@@ -1,9 +1,21 @@
-"""Triton Python-backend model: serves the ONNX file in this version folder with ONNX Runtime.
+"""Triton Python-backend model: serves the ONNX file in this version folder with ONNX Runtime,
+or (role "check") only checks requests in front of a TensorRT model in an ensemble.
 
-Written by `flashnorm triton --backend python`; it depends on nothing from FlashNorm, only on
-numpy and onnxruntime in the Python that runs Triton's Python-backend stub. The config's
-parameters choose the file (`onnx_file`), the providers (`providers`, comma-separated) and
-ONNX Runtime's thread count (`intra_op_num_threads`, 0 = its default).
+Written by `flashnorm triton`; it depends on nothing from FlashNorm, only on numpy (and, to
+serve, onnxruntime) in the Python that runs Triton's Python-backend stub. The config's
+parameters: `role` ("serve", the default, or "check"); to serve, the file (`onnx_file`), the
+providers (`providers`, comma-separated) and ONNX Runtime's thread count
+(`intra_op_num_threads`, 0 = its default); to check, `vocabulary` and `input_ranges` (JSON,
+input name → [minimum shape, maximum shape], the engine's optimization profile).
+
+Token models (an `input_ids` input) have every request checked before the model runs: token
+ids integers in [0, vocabulary), attention_mask and position_ids of the shapes input_ids and
+the past keys/values imply, attention_mask values 0 or 1, positions not negative; with
+`input_ranges`, every shape inside its range. A request that fails gets an INVALID_ARG error
+(HTTP 400) naming what is wrong: ONNX Gather wraps a negative id around to the end of the
+vocabulary, a wrong answer rather than an error, and other mistakes would reach the client as
+ONNX Runtime's internals. The checking role answers a good request with its inputs unchanged,
+as outputs named `checked_<input>`, for the ensemble to hand to the engine.
 
 With batching on (max_batch_size > 0), requests that Triton's dynamic batcher hands over
 together are concatenated along the batch dimension when their other dimensions agree and run
@@ -15,8 +27,9 @@ import json
 import os
 
 import numpy as np
-import onnxruntime
 import triton_python_backend_utils as pb_utils
+
+CHECKED_PREFIX = "checked_"
 
 
 def _parameter(config, key, default):
@@ -24,21 +37,94 @@ def _parameter(config, key, default):
     return entry["string_value"] if entry and entry.get("string_value") else default
 
 
+def request_error(feed, vocabulary):
+    """Why `feed` (input name → array) cannot run on a token model, or None; a feed without
+    input_ids is not checked."""
+    ids = feed.get("input_ids")
+    if ids is None:
+        return None
+    if not np.issubdtype(ids.dtype, np.integer):
+        return f"input_ids must be integers, got {ids.dtype}"
+    if ids.ndim != 2 or ids.shape[1] < 1:
+        return f"input_ids must be [batch, sequence] with at least one token, got shape {list(ids.shape)}"
+    outside = ids < 0
+    if vocabulary is not None:
+        outside |= ids >= vocabulary
+    if np.any(outside):
+        upper = vocabulary if vocabulary is not None else "vocabulary size"
+        return f"input_ids: token id {int(ids[outside].flat[0])} is outside the vocabulary [0, {upper})"
+    batch, sequence = ids.shape
+    past = sorted(name for name in feed if name.startswith("past_key_values."))
+    past_length = 0
+    for name in past:
+        value = feed[name]
+        if value.ndim != 4 or value.shape[0] != batch:
+            return f"{name} must be [batch={batch}, heads, past, head_dim], got shape {list(value.shape)}"
+        if name != past[0] and value.shape[2] != feed[past[0]].shape[2]:
+            return f"{name} holds {value.shape[2]} past tokens, {past[0]} {feed[past[0]].shape[2]}"
+        past_length = value.shape[2]
+    mask = feed.get("attention_mask")
+    if mask is not None and list(mask.shape) != [batch, past_length + sequence]:
+        return (f"attention_mask must be [batch, past + sequence] = [{batch}, {past_length + sequence}], "
+                f"got shape {list(mask.shape)}")
+    if mask is not None and mask.size and not np.isin(mask, (0, 1)).all():
+        # Transformers turns the mask into an additive bias, (1 - mask) * lowest: any other
+        # value shifts scores silently instead of masking.
+        return f"attention_mask: value {mask[~np.isin(mask, (0, 1))].flat[0]} is not 0 or 1"
+    positions = feed.get("position_ids")
+    if positions is not None:
+        if list(positions.shape) != [batch, sequence]:
+            return f"position_ids must have input_ids' shape {[batch, sequence]}, got {list(positions.shape)}"
+        if positions.size and positions.min() < 0:
+            return f"position_ids: negative position {int(positions.min())}"
+    return None
+
+
+def range_error(feed, ranges):
+    """Why a shape in `feed` lies outside its [minimum, maximum] in `ranges`, or None."""
+    for name, (minimum, maximum) in ranges.items():
+        shape = list(feed[name].shape)
+        if len(shape) != len(minimum) or not all(low <= d <= high for low, d, high in zip(minimum, shape, maximum)):
+            return f"{name} has shape {shape}, outside the engine's profile {minimum}..{maximum}"
+    return None
+
+
 class TritonPythonModel:
     def initialize(self, args):
         config = json.loads(args["model_config"])
+        self.input_names = [tensor["name"] for tensor in config["input"]]
+        self.checking = _parameter(config, "role", "serve") == "check"
+        if self.checking:
+            vocabulary = int(_parameter(config, "vocabulary", "0"))
+            self.vocabulary = vocabulary if vocabulary > 0 else None
+            self.ranges = json.loads(_parameter(config, "input_ranges", "{}"))
+            return
+        import onnxruntime  # only to serve: the checking role runs where onnxruntime is absent
+
+        self.ranges = {}
         version_dir = os.path.join(args["model_repository"], args["model_version"])
         onnx_path = os.path.join(version_dir, _parameter(config, "onnx_file", "model.onnx"))
         options = onnxruntime.SessionOptions()
         options.intra_op_num_threads = int(_parameter(config, "intra_op_num_threads", "0"))
         providers = _parameter(config, "providers", "CPUExecutionProvider").split(",")
         self.session = onnxruntime.InferenceSession(onnx_path, options, providers=providers)
-        self.input_names = [tensor["name"] for tensor in config["input"]]
         self.output_names = [tensor["name"] for tensor in config["output"]]
         self.output_dtypes = {
             tensor["name"]: pb_utils.triton_string_to_numpy(tensor["data_type"]) for tensor in config["output"]
         }
         self.batched = int(config.get("max_batch_size", 0)) > 0
+        logits = next((o for o in self.session.get_outputs() if o.name == "logits"), None)
+        last = logits.shape[-1] if logits is not None and logits.shape else None
+        self.vocabulary = last if isinstance(last, int) and last > 0 else None
+
+    def _invalid(self, feed):
+        """Why a token model's request cannot run (one line), or None."""
+        return request_error(feed, self.vocabulary) or range_error(feed, self.ranges)
+
+    def _refuse(self, message):
+        code = getattr(pb_utils.TritonError, "INVALID_ARG", None)
+        error = pb_utils.TritonError(message) if code is None else pb_utils.TritonError(message, code)
+        return pb_utils.InferenceResponse(error=error)
 
     def _run(self, feeds):
         results = self.session.run(self.output_names, feeds)
@@ -64,7 +150,12 @@ class TritonPythonModel:
         responses = [None] * len(requests)
         groups = {}
         for index, feed in enumerate(feeds):
-            if self.batched:
+            error = self._invalid(feed)
+            if error is not None:
+                responses[index] = self._refuse(error)
+            elif self.checking:
+                responses[index] = self._response({CHECKED_PREFIX + name: value for name, value in feed.items()})
+            elif self.batched:
                 key = tuple((name, feed[name].shape[1:], feed[name].dtype.str) for name in self.input_names)
                 groups.setdefault(key, []).append(index)
             else:

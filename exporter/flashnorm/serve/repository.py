@@ -9,39 +9,47 @@ the plugin sits inside the model folder, where Triton ignores non-numeric folder
     REPO/NAME/1/model.plan                  (TensorRT)   or  model.py + model.onnx (Python)
     REPO/NAME/plugins/libflashnorm_plugin.so  (TensorRT)
 
+TensorRT with request checks (`check_requests`): REPO/NAME is an ensemble (config.pbtxt and
+an empty 1/), REPO/NAME_checks/1/model.py checks each request, REPO/NAME_engine holds the plan
+and the plugin.
+
 The repository is assembled in a temporary folder beside REPO and renamed into place only
-when complete, so a failure never leaves half a repository.
+when complete (`flashnorm.files.staged_directory`), so a failure never leaves half a repository.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
+import json
 import os
 import re
 import shlex
 import shutil
-import tempfile
 from pathlib import Path
-from typing import Iterator, Sequence
+from typing import Sequence
 
-from flashnorm.errors import FlashNormError
-from flashnorm.serve.config import ModelConfigOptions, validated_model_config
-from flashnorm.serve.tensors import ModelSignature
+from flashnorm.errors import FlashNormError, require_file
+from flashnorm.files import staged_directory
+from flashnorm.serve.config import EnsembleStep, ModelConfigOptions, validated_model_config
+from flashnorm.serve.engine_profile import check_engine_signature
+from flashnorm.serve.tensors import TritonSignature
 
 _MODEL_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]*$")
 _PYTHON_MODEL_TEMPLATE = Path(__file__).with_name("onnxruntime_model.py")
+CHECKED_PREFIX = "checked_"  # the names NAME_checks gives the inputs it passes on (onnxruntime_model.py)
 
 
 @dataclasses.dataclass
 class RepositoryResult:
-    """What was written; `files` are relative to the repository."""
+    """What was written; `files` are relative to the repository. `unchecked_by_config`: what
+    Triton's config could not state, so Triton does not refuse requests that break it."""
 
     repository: Path
     model_name: str
     config_text: str
     start_command: str
     files: list[str]
+    unchecked_by_config: list[str] = dataclasses.field(default_factory=list)
 
     def to_dict(self) -> dict:
         return {
@@ -49,6 +57,7 @@ class RepositoryResult:
             "model": self.model_name,
             "start_command": self.start_command,
             "files": self.files,
+            "unchecked_by_config": self.unchecked_by_config,
         }
 
 
@@ -60,37 +69,8 @@ def check_model_name(name: str) -> str:
     return name
 
 
-@contextlib.contextmanager
-def staged_directory(target: Path, force: bool) -> Iterator[Path]:
-    """Yield an empty folder beside `target`; on success it replaces `target`, on failure it vanishes.
-
-    `target` may be missing or an empty folder; a non-empty one is replaced only with `force`.
-    """
-    target = target.absolute()
-    if target.exists() and not target.is_dir():
-        raise FlashNormError(f"output {target} exists and is not a directory")
-    if target.is_dir() and any(target.iterdir()) and not force:
-        raise FlashNormError(f"output directory {target} is not empty (pass --force to replace it)")
-    if not target.parent.is_dir():
-        raise FlashNormError(f"cannot write {target}: directory {target.parent} does not exist")
-    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent))
-    try:
-        yield staging
-        if target.exists():
-            retired = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".old", dir=target.parent))
-            os.replace(target, retired / target.name)
-            os.replace(staging, target)
-            shutil.rmtree(retired, ignore_errors=True)
-        else:
-            os.replace(staging, target)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
-
-
 def _copy_file(source: Path, destination: Path, what: str) -> None:
-    if not source.is_file():
-        raise FlashNormError(f"{what} {source} does not exist")
+    require_file(what, source)
     destination.parent.mkdir(parents=True, exist_ok=True)
     shutil.copyfile(source, destination)
 
@@ -143,7 +123,7 @@ def start_command(repository: Path, *options: str) -> str:
 def write_engine_repository(
     engine: str | os.PathLike[str],
     plugin: str | os.PathLike[str],
-    signature: ModelSignature,
+    signature: TritonSignature,
     output: str | os.PathLike[str],
     *,
     name: str = "flashnorm",
@@ -151,25 +131,51 @@ def write_engine_repository(
     instances: int = 1,
     max_queue_delay_us: int = 0,
     cuda_graphs: bool = False,
+    check_requests: bool = False,
     force: bool = False,
 ) -> RepositoryResult:
-    """A `tensorrt_plan` model with the FlashNorm plugin library copied into the repository."""
+    """A `tensorrt_plan` model with the FlashNorm plugin library copied into the repository.
+
+    The signature is checked against what the config can state (`engine_profile`): TensorRT
+    data types, and with `signature.profile` the engine's shape ranges against the dims and
+    `max_batch_size`; dims the profile fixes are written as numbers. With `check_requests`,
+    NAME is an ensemble: NAME_checks (Python backend, the request checks of
+    `onnxruntime_model.py` and the profile's ranges) hands good requests to NAME_engine."""
     engine, plugin = Path(engine), Path(plugin)
     check_model_name(name)
-    if not engine.is_file():
-        raise FlashNormError(f"engine {engine} does not exist")
-    if not plugin.is_file():
-        raise FlashNormError(f"plugin library {plugin} does not exist")
-    options = ModelConfigOptions(
-        name=name, platform="tensorrt_plan", max_batch_size=max_batch_size,
+    require_file("engine", engine)
+    require_file("plugin library", plugin)
+    checked = check_engine_signature(signature, signature.profile, max_batch_size)
+    signature = checked.signature
+    engine_name = f"{name}_engine" if check_requests else name
+    engine_options = ModelConfigOptions(
+        name=engine_name, platform="tensorrt_plan", max_batch_size=max_batch_size,
         max_queue_delay_us=max_queue_delay_us, instance_count=instances,
         instance_kind="KIND_GPU", cuda_graphs=cuda_graphs,
     )
-    config_text = validated_model_config(signature, options)
+    configs = {engine_name: validated_model_config(signature, engine_options)}
+    if check_requests:
+        configs.update(_request_check_configs(name, engine_name, signature, max_batch_size, max_queue_delay_us))
+        unchecked = _unchecked_by_request_checks(signature, checked.profile_checked)
+    else:
+        unchecked = _unchecked_by_engine_config(signature, checked.profile_checked, checked.unexpressed_ranges)
     target = Path(output).absolute()
-    plugin_relative = Path(name) / "plugins" / plugin.name
+    unchecked_text = "\n".join(f"- {item}" for item in unchecked) or (
+        "- nothing: types and shapes by Triton, the profile's ranges and token ids by the checks"
+        if check_requests else "- nothing: every input's dims are fixed")
+    plugin_relative = Path(engine_name) / "plugins" / plugin.name
     command = start_command(target, f"--backend-config=tensorrt,plugins={target / plugin_relative}")
     preload = start_command(target)
+    checks = (
+        f"Clients call `{name}`, an ensemble: `{name}_checks` (Triton's Python backend, numpy only)\n"
+        "refuses bad requests with HTTP 400 and a one-line reason and hands the others to\n"
+        f"`{engine_name}`. Not checked, so such requests reach the engine:\n\n{unchecked_text}\n"
+        if check_requests else
+        "Triton checks each request's data types and shapes against `config.pbtxt` before the engine\n"
+        f"runs. What that config cannot state, and so what Triton does not refuse on its own:\n\n{unchecked_text}\n\n"
+        "Validate those before this model: in the client, or with `flashnorm triton --check-requests`,\n"
+        "which puts a Python-backend model that checks them in front of the engine (an ensemble).\n"
+    )
     readme = _readme(
         f"Triton model repository: {name} (TensorRT + FlashNorm plugin)",
         f"""
@@ -190,21 +196,87 @@ LD_PRELOAD={shlex.quote(str(target / plugin_relative))} {preload}
 The plan only runs on the GPU model and TensorRT version it was built with, and the plugin
 library must come from the same build. The plugin lives inside the model folder because
 Triton treats every top-level folder of a repository as a model.
-""",
+
+{checks}""",
     )
     with staged_directory(target, force) as staging:
-        model_dir = staging / name
-        _copy_file(engine, model_dir / "1" / "model.plan", "engine")
+        _copy_file(engine, staging / engine_name / "1" / "model.plan", "engine")
         _copy_file(plugin, staging / plugin_relative, "plugin library")
-        (model_dir / "config.pbtxt").write_text(config_text)
+        if check_requests:
+            (staging / name / "1").mkdir(parents=True)  # an ensemble has a version folder, empty
+            (staging / f"{name}_checks" / "1").mkdir(parents=True)
+            shutil.copyfile(_PYTHON_MODEL_TEMPLATE, staging / f"{name}_checks" / "1" / "model.py")
+        for model, text in configs.items():
+            (staging / model / "config.pbtxt").write_text(text)
         (staging / "README.md").write_text(readme)
         files = sorted(str(p.relative_to(staging)) for p in staging.rglob("*") if p.is_file())
-    return RepositoryResult(target, name, config_text, command, files)
+    return RepositoryResult(target, name, configs[name], command, files, unchecked)
+
+
+def _request_check_configs(name: str, engine_name: str, signature: TritonSignature,
+                           max_batch_size: int, max_queue_delay_us: int) -> dict[str, str]:
+    """config.pbtxt of NAME_checks (inputs → checked_<input>) and of the ensemble NAME."""
+    checked_outputs = tuple(
+        dataclasses.replace(spec, name=CHECKED_PREFIX + spec.name, is_input=False) for spec in signature.inputs
+    )
+    logits = next((spec for spec in signature.outputs if spec.name == "logits"), None)
+    vocabulary = logits.shape[-1] if logits is not None and logits.shape and logits.shape[-1] > 0 else 0
+    ranges = {input_name: [list(shape_range.minimum), list(shape_range.maximum)]
+              for input_name, shape_range in signature.profile.items()}
+    checks_options = ModelConfigOptions(
+        name=f"{name}_checks", backend="python", max_batch_size=max_batch_size,
+        max_queue_delay_us=max_queue_delay_us, instance_kind="KIND_CPU",
+        parameters=(("role", "check"), ("vocabulary", str(vocabulary)),
+                    ("input_ranges", json.dumps(ranges, separators=(",", ":")))),
+    )
+    steps = (
+        EnsembleStep(f"{name}_checks", tuple((spec.name, spec.name) for spec in signature.inputs),
+                     tuple((spec.name, spec.name) for spec in checked_outputs)),
+        EnsembleStep(engine_name, tuple((spec.name, CHECKED_PREFIX + spec.name) for spec in signature.inputs),
+                     tuple((spec.name, spec.name) for spec in signature.outputs)),
+    )
+    ensemble_options = ModelConfigOptions(name=name, platform="ensemble", max_batch_size=max_batch_size,
+                                          ensemble_steps=steps)
+    return {
+        f"{name}_checks": validated_model_config(
+            dataclasses.replace(signature, outputs=checked_outputs), checks_options),
+        name: validated_model_config(signature, ensemble_options),
+    }
+
+
+def _unchecked_by_engine_config(signature: TritonSignature, profile_checked: bool,
+                                unexpressed_ranges: tuple[str, ...]) -> list[str]:
+    """What a tensorrt_plan config cannot make Triton check, for this signature."""
+    unchecked = []
+    if not profile_checked:
+        unchecked.append("the engine's optimization profile (not known: give --shapes as built, or read the "
+                         "engine with TensorRT); requests outside it reach the engine")
+    unchecked += [f"{item} (the config says -1)" for item in unexpressed_ranges]
+    names = {spec.name for spec in signature.inputs}
+    if "input_ids" in names:
+        unchecked.append("token ids in [0, vocabulary): a config states types and shapes, never values")
+    if "input_ids" in names and len(names) > 1:
+        unchecked.append("lengths that must agree between inputs (attention_mask as long as past + input_ids)")
+    return unchecked
+
+
+def _unchecked_by_request_checks(signature: TritonSignature, profile_checked: bool) -> list[str]:
+    """What NAME_checks does not check, for this signature."""
+    unchecked = []
+    if not profile_checked:
+        unchecked.append("the engine's optimization profile (not known: give --shapes as built, or read the "
+                         "engine with TensorRT); requests outside it reach the engine")
+    logits = next((spec for spec in signature.outputs if spec.name == "logits"), None)
+    if any(spec.name == "input_ids" for spec in signature.inputs) and (
+            logits is None or not logits.shape or logits.shape[-1] <= 0):
+        unchecked.append("token ids below the vocabulary size (no logits output with a fixed last dimension "
+                         "to read it from); negative ids are refused")
+    return unchecked
 
 
 def write_onnx_python_repository(
     onnx_model: str | os.PathLike[str],
-    signature: ModelSignature,
+    signature: TritonSignature,
     output: str | os.PathLike[str],
     *,
     name: str = "flashnorm",
@@ -218,8 +290,7 @@ def write_onnx_python_repository(
     """A Python-backend model that runs the ONNX file (and its external data) with ONNX Runtime."""
     onnx_model = Path(onnx_model)
     check_model_name(name)
-    if not onnx_model.is_file():
-        raise FlashNormError(f"ONNX model {onnx_model} does not exist")
+    require_file("model", onnx_model)
     bf16 = [spec.name for spec in signature.inputs + signature.outputs if spec.data_type == "TYPE_BF16"]
     if bf16:
         raise FlashNormError(f"bf16 tensors {bf16} cannot cross the Python backend as numpy arrays; export fp32 or fp16")

@@ -1,6 +1,6 @@
 """The inputs and outputs a Triton model declares, read from the model itself.
 
-A `TensorSpec` holds the model's full shape (batch dimension included, -1 for a variable
+A `TritonTensor` holds the model's full shape (batch dimension included, -1 for a variable
 dimension) and Triton's data-type name. Three sources: an ONNX file (only the graph's
 signature is read, never the weights), a TensorRT engine (needs `tensorrt` and the plugin
 library loaded so the engine deserializes), or explicit `--io` strings.
@@ -12,9 +12,12 @@ import ctypes
 import dataclasses
 import os
 from pathlib import Path
-from typing import Iterable, Sequence
+from typing import TYPE_CHECKING, Iterable, Mapping, Sequence
 
 from flashnorm.errors import FlashNormError
+
+if TYPE_CHECKING:
+    from flashnorm.engine.shapes import ShapeRange
 
 # ONNX TensorProto.DataType number → Triton ModelConfig DataType name.
 _ONNX_TO_TRITON = {
@@ -38,7 +41,7 @@ _SHORT_TYPES = {
 
 
 @dataclasses.dataclass(frozen=True)
-class TensorSpec:
+class TritonTensor:
     """One model input or output: its name, Triton data type and full shape (-1 = variable)."""
 
     name: str
@@ -61,14 +64,16 @@ class TensorSpec:
 
 
 @dataclasses.dataclass(frozen=True)
-class ModelSignature:
-    """All inputs and outputs of a model, and where they were read from."""
+class TritonSignature:
+    """All inputs and outputs of a model, where they were read from and, for an engine read
+    with TensorRT, the ranges of its first optimization profile (input name → range)."""
 
-    inputs: tuple[TensorSpec, ...]
-    outputs: tuple[TensorSpec, ...]
+    inputs: tuple[TritonTensor, ...]
+    outputs: tuple[TritonTensor, ...]
     source: str  # "tensorrt", "onnx" or "io"
+    profile: Mapping[str, "ShapeRange"] = dataclasses.field(default_factory=dict)
 
-    def select_outputs(self, names: Sequence[str] | None) -> "ModelSignature":
+    def select_outputs(self, names: Sequence[str] | None) -> "TritonSignature":
         """Keep only the named outputs, in the order given; unknown names are an error."""
         if not names:
             return self
@@ -100,26 +105,27 @@ def _triton_type_from_onnx(value_info) -> str:
     return _ONNX_TO_TRITON[element_type]
 
 
-def signature_from_onnx(path: str | os.PathLike[str]) -> ModelSignature:
+def signature_from_onnx(path: str | os.PathLike[str]) -> TritonSignature:
     """Read the graph inputs (initializers excluded) and outputs of an ONNX file, without its weights."""
-    from flashnorm.io import read_interface  # onnx and onnx-graphsurgeon load only when an ONNX file is read
+    from flashnorm.modelio import read_interface  # onnx and onnx-graphsurgeon load only when an ONNX file is read
 
     interface = read_interface(path)
     inputs = tuple(
-        TensorSpec(vi.name, _triton_type_from_onnx(vi), _dims_from_onnx(vi), True) for vi in interface.inputs
+        TritonTensor(vi.name, _triton_type_from_onnx(vi), _dims_from_onnx(vi), True) for vi in interface.inputs
     )
     outputs = tuple(
-        TensorSpec(vi.name, _triton_type_from_onnx(vi), _dims_from_onnx(vi), False) for vi in interface.outputs
+        TritonTensor(vi.name, _triton_type_from_onnx(vi), _dims_from_onnx(vi), False) for vi in interface.outputs
     )
     if not inputs or not outputs:
         raise FlashNormError(f"ONNX model {path} has no graph inputs or no graph outputs")
-    return ModelSignature(inputs, outputs, "onnx")
+    return TritonSignature(inputs, outputs, "onnx")
 
 
 def signature_from_engine(
     engine_path: str | os.PathLike[str], plugin_paths: Iterable[str | os.PathLike[str]] = ()
-) -> ModelSignature:
-    """Deserialize a TensorRT engine (plugins loaded first) and read its I/O tensors."""
+) -> TritonSignature:
+    """Deserialize a TensorRT engine (plugins loaded first) and read its I/O tensors and the
+    shape ranges of its optimization profile 0, the one Triton uses unless told otherwise."""
     try:
         import tensorrt as trt
     except ImportError:
@@ -138,20 +144,26 @@ def signature_from_engine(
         raise FlashNormError(
             f"TensorRT could not deserialize {engine_path} (wrong TensorRT version, or a plugin missing?)"
         )
-    inputs: list[TensorSpec] = []
-    outputs: list[TensorSpec] = []
+    from flashnorm.engine.shapes import ShapeRange
+
+    inputs: list[TritonTensor] = []
+    outputs: list[TritonTensor] = []
+    profile: dict[str, ShapeRange] = {}
     for index in range(engine.num_io_tensors):
         name = engine.get_tensor_name(index)
         dtype_name = engine.get_tensor_dtype(name).name
         if dtype_name not in _TRT_TO_TRITON:
             raise FlashNormError(f"engine tensor {name!r} has type {dtype_name}, which Triton has no type for")
         is_input = engine.get_tensor_mode(name) == trt.TensorIOMode.INPUT
-        spec = TensorSpec(name, _TRT_TO_TRITON[dtype_name], tuple(engine.get_tensor_shape(name)), is_input)
+        spec = TritonTensor(name, _TRT_TO_TRITON[dtype_name], tuple(engine.get_tensor_shape(name)), is_input)
         (inputs if is_input else outputs).append(spec)
-    return ModelSignature(tuple(inputs), tuple(outputs), "tensorrt")
+        if is_input and -1 in spec.shape and engine.num_optimization_profiles > 0:
+            minimum, optimum, maximum = (tuple(shape) for shape in engine.get_tensor_profile_shape(name, 0))
+            profile[name] = ShapeRange(minimum, optimum, maximum)
+    return TritonSignature(tuple(inputs), tuple(outputs), "tensorrt", profile)
 
 
-def parse_io_spec(text: str) -> TensorSpec:
+def parse_io_spec(text: str) -> TritonTensor:
     """Parse `in:NAME:TYPE:DIMS` or `out:NAME:TYPE:DIMS`, DIMS the full shape, e.g. `in:input_ids:int64:-1,-1`."""
     parts = text.split(":")
     if len(parts) != 4 or parts[0] not in ("in", "out"):
@@ -166,10 +178,10 @@ def parse_io_spec(text: str) -> TensorSpec:
         raise FlashNormError(f"--io {text!r}: DIMS must be comma-separated integers (-1 = variable)") from None
     if not name or any(d == 0 or d < -1 for d in shape):
         raise FlashNormError(f"--io {text!r}: needs a name and dims that are positive or -1")
-    return TensorSpec(name, data_type, shape, direction == "in")
+    return TritonTensor(name, data_type, shape, direction == "in")
 
 
-def signature_from_io_specs(texts: Sequence[str]) -> ModelSignature:
+def signature_from_io_specs(texts: Sequence[str]) -> TritonSignature:
     """Build a signature from `--io` strings; needs at least one input and one output, unique names."""
     specs = [parse_io_spec(text) for text in texts]
     names = [spec.name for spec in specs]
@@ -180,4 +192,4 @@ def signature_from_io_specs(texts: Sequence[str]) -> ModelSignature:
     outputs = tuple(spec for spec in specs if not spec.is_input)
     if not inputs or not outputs:
         raise FlashNormError("--io must describe at least one input (in:...) and one output (out:...)")
-    return ModelSignature(inputs, outputs, "io")
+    return TritonSignature(inputs, outputs, "io")

@@ -1,7 +1,8 @@
-"""`flashnorm build MODEL.onnx -o model.plan --plugin libflashnorm_plugin.so`: a TensorRT engine
-with the FlashNormMatMul plugin (strongly typed, plugin override, one optimization profile
-from --shapes, optional timing cache). Needs the `tensorrt` Python package; where it is
-missing, says what to install and exits non-zero."""
+"""`flashnorm build MODEL.onnx -o model.plan [--backend auto|tensorrt|tensorrt-rtx] [--plugin LIB]`:
+a TensorRT engine, strongly typed, with one optimization profile from --shapes and an optional
+timing cache. TensorRT runs FlashNormMatMul nodes with the plugin; TensorRT-RTX (no plugin
+layers) builds them from their reference functions. Where neither is installed, says what to
+install and exits non-zero."""
 
 from __future__ import annotations
 
@@ -11,20 +12,23 @@ from typing import Any
 from flashnorm.engine.build import BuildOptions, build_engine_file
 from flashnorm.engine.shapes import parse_shape_specs
 from flashnorm.errors import FlashNormError
+from flashnorm.tools.options import add_tensorrt_options
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model", help="ONNX model, typically the output of `flashnorm optimize --passes fold,cancel,defer`")
     parser.add_argument("-o", "--output", required=True, help="engine file to write (written atomically)")
-    parser.add_argument("--plugin", action="append", default=[], metavar="LIB",
-                        help="plugin library to register first, e.g. build/lib/libflashnorm_plugin.so (repeatable)")
+    add_tensorrt_options(parser)
     parser.add_argument("--shapes", nargs="+", action="extend", default=[], metavar="NAME:MIN,OPT,MAX",
                         help="optimization profile of a dynamic input, shapes as 1x64 "
                              "(e.g. input_ids:1x1,1x64,1x512); one shape fixes it")
     parser.add_argument("--timing-cache", metavar="PATH",
-                        help="read tactic timings from PATH if it exists, and write them back after the build")
+                        help="read tactic timings from PATH if it exists, and write them back after the build "
+                             "(TensorRT; TensorRT-RTX picks kernels at run time and ignores it)")
     parser.add_argument("--workspace", type=int, metavar="MIB", help="builder workspace limit in MiB")
-    parser.add_argument("--verbose", action="store_true", help="TensorRT's verbose log")
+    parser.add_argument("--optimization-level", type=int, choices=range(6), metavar="0-5",
+                        help="the builder's optimization level (TensorRT's default 3; lower builds faster, "
+                             "higher searches more kernels)")
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -37,18 +41,33 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         workspace_bytes=None if args.workspace is None else args.workspace << 20,
         progress=not args.quiet,
         verbose=args.verbose,
+        backend=args.backend,
+        optimization_level=args.optimization_level,
     )
     return build_engine_file(args.model, args.output, options)
 
 
-def format_text(report: dict[str, Any]) -> str:
+def format_text(report: dict[str, Any], verbose: bool = False) -> str:
     profile = ", ".join(f"{name}:{shapes}" for name, shapes in report["profile"].items()) or "static shapes"
+    backend = "TensorRT" if report["backend"] == "tensorrt" else "TensorRT-RTX"
+    network = report["network"]
+    types = ", ".join(f"{kind} {count}" for kind, count in network["layer_types"].items())
     lines = [
-        f"{report['input']} → {report['output']} ({report['engine_bytes'] / 2**20:.1f} MiB, TensorRT "
+        f"{report['input']} → {report['output']} ({report['engine_bytes'] / 2**20:.1f} MiB, {backend} "
         f"{report['tensorrt']}, {report['build_seconds']} s)",
         f"  FlashNormMatMul: {report['flashnorm_plugin_layers']} of {report['flashnorm_nodes']} nodes run the plugin",
+        f"  network: {network['layers']} layers ({types})",
+        f"  norms: {network['mean_reductions']} mean-of-squares reductions, "
+        f"{network['flashnorm_plugin_layers']} FlashNorm plugin layers",
         f"  profile: {profile}",
     ]
-    if report.get("note"):
-        lines.append(f"  note: {report['note']}")
+    inspector = report["engine_inspector"]
+    if inspector["available"]:
+        lines.append(f"  engine: {inspector['layers']} layers after fusion; norm layers: "
+                     + (", ".join(inspector["norm_layers"]) or "none named"))
+    else:
+        lines.append(f"  engine inspector: {inspector['reason']}")
+    for key in ("timing_cache_note", "note"):
+        if report.get(key):
+            lines.append(f"  note: {report[key]}")
     return "\n".join(lines)

@@ -5,18 +5,27 @@ logits of both on real text, and generate from both."""
 from __future__ import annotations
 
 import argparse
+import collections
+import shutil
 import time
 from pathlib import Path
 from typing import Any
 
-from flashnorm.errors import FlashNormError
+from flashnorm.errors import FlashNormError, require_file
+from flashnorm.report import grouped_reasons
 
 MODEL = "smollm2-135m"
+# One fp32 ONNX file of SmolLM2-135M (134.5 M parameters), as measured: 539.5 MB.
+MODEL_FILE_BYTES = 540_000_000
 TEXT = (
     "Gravity is the force by which a planet or other body draws objects toward its center. "
     "The force of gravity keeps all of the planets in orbit around the sun."
 )
 PROMPT = "The capital of France is"
+UNIT_ROUNDOFF = {"float16": 2.0 ** -11, "bfloat16": 2.0 ** -8}
+HALF_REL_L2 = 8
+"""A half model's optimized logits may differ from its unfolded ones by this many units of
+the type's roundoff (rel L2): the fold rounds g·W once (SmolLM2 fp16: 1.1 units measured)."""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -28,6 +37,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--text", default=TEXT, help="text whose logits are compared")
     parser.add_argument("--prompt", default=PROMPT, help="prompt for greedy generation")
     parser.add_argument("--tokens", type=int, default=16, help="tokens to generate from each model (default 16)")
+    parser.add_argument("--dtype", default="fp32", metavar="TYPE",
+                        help="export and optimize in this type (fp32, fp16, bf16; default fp32); half types compare "
+                             "within HALF_REL_L2 × the type's unit roundoff instead of fp32's 1e-5")
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -35,53 +47,99 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     from flashnorm.export.sources import load_tokenizer, resolve_source
     from flashnorm.passes import optimize_file
     from flashnorm.validate import compare_generation, compare_models, language_model_feeds, read_signature, tokenize
+    from flashnorm.validate.bfloat16 import emulated_session, emulating_runner_factory, precision
+    from flashnorm.validate.runners import make_session
 
     if args.tokens < 1:
         raise FlashNormError("--tokens must be at least 1")
+    exported = require_file("model", args.exported) if args.exported else None
+    from flashnorm.export.onnx_export import torch_dtype_name
+
+    dtype = torch_dtype_name(args.dtype)
     started = time.monotonic()
     source = resolve_source(model=MODEL)
     directory = Path(args.output_dir)
     directory.mkdir(parents=True, exist_ok=True)
-    report: dict[str, Any] = {"model": MODEL}
+    files = 1 if exported else 2
+    needed = files * MODEL_FILE_BYTES
+    free = shutil.disk_usage(directory).free
+    if free < needed:
+        raise FlashNormError(f"{directory} has {free / 1e9:.2f} GB free; the demo writes {needed / 1e9:.2f} GB there "
+                             "(choose another folder with -o)")
+    say(f"flashnorm demo: writing {'the optimized model' if exported else 'the exported and the optimized model'} "
+        f"of {MODEL} to {directory}/ (about {needed / 1e9:.1f} GB; -o chooses another folder)")
+    report: dict[str, Any] = {"model": MODEL, "output_dir": str(directory)}
 
-    if args.exported:
-        original = Path(args.exported)
-        if not original.is_file():
-            raise FlashNormError(f"--exported {original} does not exist")
+    if exported:
+        original = exported
         report["export"] = {"output": str(original), "reused": True}
     else:
-        original = directory / f"{MODEL}.onnx"
-        report["export"] = export_source(source, original)
+        suffix = "" if dtype == "float32" else f".{args.dtype}"
+        original = directory / f"{MODEL}{suffix}.onnx"
+        report["export"] = export_source(source, original, dtype=dtype)
 
-    optimized = directory / f"{MODEL}.flashnorm.onnx"
+    optimized = directory / f"{MODEL}{'' if dtype == 'float32' else '.' + args.dtype}.flashnorm.onnx"
     say(f"optimizing {original} → {optimized}")
     optimization = optimize_file(original, optimized, untie=args.untie)
     report["optimize"] = {k: optimization[k] for k in ("output", "norm_sites", "summary", "untie")}
+    report["optimize"]["reasons"] = skipped_reasons(optimization["reports"])
 
     say("comparing logits on real text (Polygraphy, ONNX Runtime)")
     tokenizer = load_tokenizer(source)
     feeds = [language_model_feeds(read_signature(original), tokenize(args.text, tokenizer))]
-    comparison = compare_models(original, optimized, feeds, inputs_description={"text": args.text})
+    factory = emulating_runner_factory()  # a bf16 model runs emulated (no bf16 MatMul in ONNX Runtime)
+    limits = {} if dtype == "float32" else {"max_rel_l2": HALF_REL_L2 * UNIT_ROUNDOFF[dtype], "atol": 1.0, "rtol": 1.0}
+    comparison = compare_models(original, optimized, feeds, runners=(factory, factory),
+                                inputs_description={"text": args.text}, **limits)
     report["compare"] = comparison.to_dict()
+    report["compare"]["precision"] = precision(original)[1]
 
     say(f"generating {args.tokens} tokens from each model")
     prompt = tokenize(args.prompt, tokenizer)[0]
-    generation = compare_generation(original, optimized, prompt, args.tokens, decode=tokenizer.decode)
+    session = (lambda path: emulated_session(str(path))) if dtype == "bfloat16" else make_session
+    generation = compare_generation(original, optimized, prompt, args.tokens, decode=tokenizer.decode,
+                                    session_factory=session)
     report["generation"] = {"prompt": args.prompt, **generation.to_dict()}
     report["passed"] = comparison.passed and generation.passed
     report["seconds"] = round(time.monotonic() - started, 1)
     return report
 
 
-def format_text(report: dict[str, Any]) -> str:
+def skipped_reasons(pass_reports: list[dict[str, Any]]) -> dict[str, dict[str, int]]:
+    """Per pass, how many sites it left alone for each kind of reason (`report.grouped_reasons`:
+    reasons that differ only in the node and tensor names they quote are one)."""
+    return {report["pass"]: {reason: len(sites) for reason, sites in grouped_reasons(
+                (site["site"], site["reason"]) for site in report["sites"] if site["action"] == "skipped")}
+            for report in pass_reports}
+
+
+def _pass_line(name: str, counts: dict[str, int], reasons: dict[str, int]) -> str:
+    done = ", ".join(f"{count} {action}" for action, count in counts.items() if action != "skipped") or "0 changed"
+    line = f"    {name:<7}{done}"
+    if reasons:
+        line += f", {sum(reasons.values())} left alone: " + "; ".join(
+            f"{count} × {reason}" for reason, count in sorted(reasons.items(), key=lambda item: -item[1]))
+    return line
+
+
+def format_text(report: dict[str, Any], verbose: bool = False) -> str:
     export, optimization, comparison = report["export"], report["optimize"], report["compare"]
     generation = report["generation"]
-    summary = ", ".join(f"{k} {v}" for k, v in optimization["summary"].items())
     logits = next(o for o in comparison["outputs"] if o["name"] == "logits")
+    exported = f"  exported   {export['output']}" + (
+        " (reused)" if export.get("reused") else
+        f" in {export['seconds']} s (loading {export['load_seconds']} s, tracing {export['export_seconds']} s, "
+        f"the rest writing)")
+    counts: dict[str, dict[str, int]] = collections.defaultdict(dict)
+    for key, count in optimization["summary"].items():
+        name, action = key.split(".", 1)
+        counts[name][action] = count
     lines = [
         f"FlashNorm demo: {report['model']}",
-        f"  exported   {export['output']}" + (" (reused)" if export.get("reused") else f" in {export['seconds']} s"),
-        f"  optimized  {optimization['output']}: {optimization['norm_sites']} RMSNorm sites; {summary}",
+        exported,
+        f"  optimized  {optimization['output']}: {optimization['norm_sites']} RMSNorm sites",
+        *(_pass_line(name, counts[name], optimization["reasons"].get(name, {})) for name in counts),
+        f"  precision  {comparison.get('precision', 'float32')}",
         f"  logits     {logits['shape']}: max abs {logits['max_abs']:.3g}, rel L2 {logits['rel_l2']:.3g}, "
         f"max abs/max|ref| {logits['scaled_max_abs']:.3g}, top-1 agreement {logits['top1_agreement']:.0%}",
         f"  generation {len(generation['reference_tokens'])} tokens "

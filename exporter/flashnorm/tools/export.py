@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from flashnorm.errors import FlashNormError
-from flashnorm.export.onnx_export import DEFAULT_OPSET
+from flashnorm.export.onnx_export import DEFAULT_OPSET, DTYPES, torch_dtype_name
 from flashnorm.export.sources import KNOWN_MODELS
 
 
@@ -22,6 +22,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"use torch's dynamo exporter (default opset {DEFAULT_OPSET[True]}; emits "
                              f"RMSNormalization) instead of the legacy TorchScript exporter (opset {DEFAULT_OPSET[False]})")
     parser.add_argument("--opset", type=int, help="ONNX opset (default: 17 legacy, 23 dynamo)")
+    parser.add_argument("--dtype", default="fp32", metavar="TYPE",
+                        help=f"weights and activations in this type ({', '.join(DTYPES)}; default fp32); each "
+                             "RMSNorm is still computed in fp32 inside the graph, and the logits are in this type")
     parser.add_argument("--kv-cache", action="store_true",
                         help="add past_key_values.<i>.key/value inputs and present.<i>.key/value outputs")
 
@@ -32,23 +35,26 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     if args.source is None and args.model is None:
         raise FlashNormError("give a model directory or .gguf file, or --model NAME")
+    dtype = torch_dtype_name(args.dtype)
     source = resolve_source(args.source, args.model)
     output = Path(args.output)
     if output.suffix.lower() != ".onnx":
         raise FlashNormError(f"output {output} should end in .onnx")
     if args.opset is not None and not 7 <= args.opset <= 25:
         raise FlashNormError(f"opset {args.opset} is out of range (7..25)")
-    return export_source(source, output, dynamo=args.dynamo, opset=args.opset, kv_cache=args.kv_cache)
+    return export_source(source, output, dynamo=args.dynamo, opset=args.opset, kv_cache=args.kv_cache, dtype=dtype)
 
 
-def format_text(report: dict[str, Any]) -> str:
+def format_text(report: dict[str, Any], verbose: bool = False) -> str:
     kv = ", KV cache" if report["kv_cache"] else ""
     tie = ""
     if report["tied_lm_head"]:
         kept = "kept tied: one initializer" if report["lm_head_tied_in_onnx"] else "UNTIED by the exporter: two copies"
         tie = f"; tied LM head {kept}"
     return (
-        f"{report['source']} → {report['output']} ({report['exporter']} exporter, opset {report['opset']}{kv}){tie}\n"
+        f"{report['source']} → {report['output']} ({report['exporter']} exporter, opset {report['opset']}, "
+        f"{report['dtype']}{kv}){tie}\n"
+        f"  logits in {report['logits_dtype']}\n"
         f"  inputs: {', '.join(report['inputs'][:3])}{' + past keys/values' if report['kv_cache'] else ''}\n"
         f"  {report['parameters']:,} parameters; loaded in {report['load_seconds']} s, exported in "
         f"{report['export_seconds']} s, {report['seconds']} s in all"

@@ -7,6 +7,7 @@ import argparse
 from typing import Any
 
 from flashnorm.passes import DEFAULT_PASSES, PASSES, optimize_file
+from flashnorm.report import grouped_reasons
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -25,13 +26,26 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     return optimize_file(args.model, args.output, args.passes, args.untie, external_data=args.external_data)
 
 
-def format_text(report: dict[str, Any]) -> str:
-    """The human-readable summary the CLI prints: counts per pass, and why sites were skipped."""
+def format_text(report: dict[str, Any], verbose: bool = False) -> str:
+    """The human-readable summary the CLI prints: counts per pass, then why sites were
+    skipped, one line per reason with its count (`verbose`: one line per site)."""
     lines = [f"{report['input']} → {report['output']}: {report['norm_sites']} RMSNorm sites"]
     for pass_report in report["reports"]:
         counts = ", ".join(f"{n} {action}" for action, n in pass_report["counts"].items()) or "nothing to do"
         lines.append(f"  {pass_report['pass']}: {counts}")
-        for site in pass_report["sites"]:
-            if site["reason"]:
-                lines.append(f"    {site['site']}: {site['action']}: {site['reason']}")
+        rounded = [site["details"]["rounding"] for site in pass_report["sites"] if site.get("details", {}).get("rounding")]
+        if rounded:
+            lines.append(f"    {len(rounded)} sites rounded g·W to {rounded[0]['weight_dtype']} once: weights change by at most "
+                         f"{max(r['estimated_output_rel_l2'] for r in rounded):.2g} rel L2 per site (the estimated "
+                         f"change of its projections' outputs), {max(r['max_relative_change'] for r in rounded):.2g} "
+                         "per element (subnormal results included)")
+        explained = [site for site in pass_report["sites"] if site["reason"]]
+        if verbose:
+            lines += [f"    {site['site']}: {site['action']}: {site['reason']}" for site in explained]
+            continue
+        for action in dict.fromkeys(site["action"] for site in explained):
+            decisions = [(site["site"], site["reason"]) for site in explained if site["action"] == action]
+            for reason, sites in grouped_reasons(decisions):
+                where = sites[0] if len(sites) == 1 else f"{len(sites)} sites, e.g. {sites[0]}"
+                lines.append(f"    {action} ({where}): {reason}")
     return "\n".join(lines)

@@ -5,8 +5,11 @@ Two kinds:
   the plugin copied into the repository, a README with the exact start command. Inputs and
   outputs are read from the engine where `tensorrt` is importable; elsewhere give the ONNX the
   engine was built from (`--onnx`) or `--io` specs.
+  `--check-requests` puts a Python-backend model in front of the engine (an ensemble) that
+  refuses what the config cannot state: token ids outside the vocabulary, lengths that
+  disagree, shapes outside the profile.
 - `--onnx model.onnx --backend python -o REPO`: a Python-backend model serving the ONNX with
-  ONNX Runtime (no GPU needed).
+  ONNX Runtime (no GPU needed); it checks requests itself.
 """
 
 from __future__ import annotations
@@ -15,7 +18,8 @@ import argparse
 import re
 from pathlib import Path
 
-from flashnorm.errors import FlashNormError
+from flashnorm.errors import FlashNormError, require_file
+from flashnorm.tools.options import add_plugin_option
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -23,12 +27,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     source.add_argument("--backend", choices=("tensorrt", "python"), default="tensorrt",
                         help="tensorrt: serve --engine; python: serve --onnx with ONNX Runtime (default: tensorrt)")
     source.add_argument("--engine", metavar="PLAN", help="TensorRT engine (.plan) built with the FlashNorm plugin")
-    source.add_argument("--plugin", metavar="SO", help="the plugin library the engine was built with")
+    add_plugin_option(source, "; --backend tensorrt: the one library the engine was built with, copied into REPO")
     source.add_argument("--onnx", metavar="MODEL", help="ONNX model: served by --backend python, or the I/O "
                         "source for --engine where TensorRT is not importable (the ONNX the engine was built from)")
     source.add_argument("--io", action="append", default=[], metavar="in|out:NAME:TYPE:DIMS",
                         help="declare one engine input/output by hand, full shape, -1 = variable "
                         "(e.g. in:input_ids:int64:-1,-1); repeat for each tensor")
+    source.add_argument("--shapes", nargs="+", action="extend", default=[], metavar="NAME:MIN,OPT,MAX",
+                        help="--backend tensorrt: the optimization profile the engine was built with (as given "
+                        "to `flashnorm build --shapes`), checked against --max-batch-size and the dims; "
+                        "read from the engine instead where TensorRT is importable")
     parser.add_argument("-o", "--output", required=True, metavar="REPO", help="model repository folder to write")
     parser.add_argument("--force", action="store_true", help="replace REPO if it exists and is not empty")
     config = parser.add_argument_group("config.pbtxt")
@@ -40,6 +48,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     config.add_argument("--instances", type=int, default=1, help="model instances (default: 1)")
     config.add_argument("--cuda-graphs", action="store_true",
                         help="tensorrt: add optimization { cuda { graphs: true } }")
+    config.add_argument("--check-requests", action="store_true",
+                        help="tensorrt: serve NAME as an ensemble whose first step, a Python-backend model "
+                        "(numpy only), refuses bad requests (token ids outside the vocabulary, lengths that "
+                        "disagree, shapes outside --shapes) with HTTP 400 before the engine runs")
     config.add_argument("--outputs", nargs="+", metavar="NAME",
                         help="python: serve only these ONNX outputs (e.g. logits)")
     config.add_argument("--threads", type=int, default=0,
@@ -55,15 +67,24 @@ def _default_name(path: str) -> str:
 
 
 def _engine_signature(args: argparse.Namespace):
+    import dataclasses
+
+    from flashnorm.engine.shapes import parse_shape_specs
     from flashnorm.serve import signature_from_engine, signature_from_io_specs, signature_from_onnx
 
     if args.io and args.onnx:
         raise FlashNormError("give either --onnx or --io as the engine's I/O source, not both")
+    shapes = parse_shape_specs(args.shapes)
     if args.io:
-        return signature_from_io_specs(args.io)
-    if args.onnx:
-        return signature_from_onnx(args.onnx)
-    return signature_from_engine(args.engine, [args.plugin])
+        signature = signature_from_io_specs(args.io)
+    elif args.onnx:
+        signature = signature_from_onnx(args.onnx)
+    else:
+        signature = signature_from_engine(args.engine, args.plugin)
+        if shapes and shapes != dict(signature.profile):
+            read = {name: shape_range.describe() for name, shape_range in signature.profile.items()}
+            raise FlashNormError(f"--shapes differs from the engine's own profile {read}; leave --shapes out")
+    return dataclasses.replace(signature, profile=shapes) if shapes else signature
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -73,7 +94,8 @@ def run(args: argparse.Namespace) -> dict:
         if not args.onnx:
             raise FlashNormError("--backend python needs --onnx MODEL.onnx")
         for flag, value in (("--engine", args.engine), ("--plugin", args.plugin), ("--io", args.io),
-                            ("--cuda-graphs", args.cuda_graphs)):
+                            ("--cuda-graphs", args.cuda_graphs), ("--shapes", args.shapes),
+                            ("--check-requests", args.check_requests)):
             if value:
                 raise FlashNormError(f"{flag} applies to --backend tensorrt, not python")
         signature = signature_from_onnx(args.onnx).select_outputs(args.outputs)
@@ -88,18 +110,19 @@ def run(args: argparse.Namespace) -> dict:
     else:
         if not args.engine or not args.plugin:
             raise FlashNormError("--backend tensorrt needs --engine MODEL.plan and --plugin LIB.so")
+        if len(args.plugin) > 1:
+            raise FlashNormError(f"--backend tensorrt copies one plugin library into the repository, got {len(args.plugin)}")
+        plugin = args.plugin[0]
         if args.outputs:
             raise FlashNormError("--outputs applies to --backend python; a TensorRT config declares every engine output")
-        if not Path(args.engine).is_file():
-            raise FlashNormError(f"engine {args.engine} does not exist")
-        if not Path(args.plugin).is_file():
-            raise FlashNormError(f"plugin library {args.plugin} does not exist")
+        require_file("engine", args.engine)
+        require_file("plugin library", plugin)
         signature = _engine_signature(args)
         result = write_engine_repository(
-            args.engine, args.plugin, signature, args.output,
+            args.engine, plugin, signature, args.output,
             name=args.name or _default_name(args.engine), max_batch_size=args.max_batch_size,
             instances=args.instances, max_queue_delay_us=args.max_queue_delay_us,
-            cuda_graphs=args.cuda_graphs, force=args.force,
+            cuda_graphs=args.cuda_graphs, check_requests=args.check_requests, force=args.force,
         )
     report = {
         "passed": True,
@@ -110,6 +133,8 @@ def run(args: argparse.Namespace) -> dict:
         "config_validated": True,
         **result.to_dict(),
     }
+    if args.backend == "tensorrt":
+        report["profile"] = {name: shape_range.describe() for name, shape_range in signature.profile.items()}
     if args.backend == "tensorrt" and signature.source != "tensorrt":
         report["note"] = (
             f"inputs and outputs declared from {'the ONNX model' if signature.source == 'onnx' else '--io'}, "

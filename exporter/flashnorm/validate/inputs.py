@@ -14,7 +14,7 @@ import numpy as np
 import onnx
 
 from flashnorm.errors import FlashNormError
-from flashnorm.io import read_interface
+from flashnorm.modelio import read_interface
 
 DEFAULT_LEADING_DIM = 1
 """Size of an unresolved dynamic first axis of an input of rank ≥ 2 (batch-like)."""
@@ -163,7 +163,8 @@ def prefill_past(session: Any, prefix_ids: np.ndarray) -> dict[str, np.ndarray]:
         raise FlashNormError("the model has no KV-cache inputs to prefill")
     for name in past_names:
         shape = inputs[name].shape
-        feeds[name] = np.zeros((batch, shape[1], 0, shape[3]), dtype=np.float32)
+        dtype = np.float16 if inputs[name].type == "tensor(float16)" else np.float32  # fp16 KV caches
+        feeds[name] = np.zeros((batch, shape[1], 0, shape[3]), dtype=dtype)
     wanted = [name.replace("past_key_values.", "present.") for name in past_names]
     return dict(zip(past_names, session.run(wanted, feeds)))
 

@@ -19,6 +19,22 @@ RunnerFactory = Callable[[str, str], Any]
 OPTIMIZATION_LEVELS = ("disable", "basic", "extended", "all")
 
 
+def session_options(optimization_level: str = "all") -> Any:
+    """ONNX Runtime session options at one of OPTIMIZATION_LEVELS (FlashNormError for another)."""
+    import onnxruntime as ort
+
+    if optimization_level not in OPTIMIZATION_LEVELS:
+        raise FlashNormError(f"unknown optimization level {optimization_level!r}; choose from {OPTIMIZATION_LEVELS}")
+    options = ort.SessionOptions()
+    options.graph_optimization_level = {
+        "disable": ort.GraphOptimizationLevel.ORT_DISABLE_ALL,
+        "basic": ort.GraphOptimizationLevel.ORT_ENABLE_BASIC,
+        "extended": ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED,
+        "all": ort.GraphOptimizationLevel.ORT_ENABLE_ALL,
+    }[optimization_level]
+    return options
+
+
 def make_session(
     model_path: str | os.PathLike[str],
     *,
@@ -33,15 +49,7 @@ def make_session(
     missing = [p for p in providers if p not in available]
     if missing:
         raise FlashNormError(f"requested ONNX Runtime provider(s) {missing}; available: {available}")
-    if optimization_level not in OPTIMIZATION_LEVELS:
-        raise FlashNormError(f"unknown optimization level {optimization_level!r}; choose from {OPTIMIZATION_LEVELS}")
-    options = ort.SessionOptions()
-    options.graph_optimization_level = {
-        "disable": ort.GraphOptimizationLevel.ORT_DISABLE_ALL,
-        "basic": ort.GraphOptimizationLevel.ORT_ENABLE_BASIC,
-        "extended": ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED,
-        "all": ort.GraphOptimizationLevel.ORT_ENABLE_ALL,
-    }[optimization_level]
+    options = session_options(optimization_level)
     if threads:
         options.intra_op_num_threads = threads
     try:

@@ -7,7 +7,6 @@ namespace flashnorm
 namespace
 {
 
-constexpr int kRmsRowsPerBlock = 8; // one warp per row
 constexpr int kPostScaleThreads = 256;
 constexpr int kPostScaleVec = 4;   // columns per thread
 constexpr int kMaxGridY = 65535;
@@ -23,18 +22,10 @@ __global__ void delay_kernel(int64_t cycles)
 }
 
 template <typename T>
-__global__ void __launch_bounds__(kRmsRowsPerBlock * 32)
+__global__ void __launch_bounds__(kInvRmsRowsPerBlock * 32)
     inv_rms_kernel(T const* __restrict__ x, int64_t m, int64_t k, float eps, float* __restrict__ inv_rms)
 {
-    constexpr int kVec = 16 / sizeof(T);
-    int const lane = threadIdx.x & 31;
-    int64_t const row = int64_t(blockIdx.x) * kRmsRowsPerBlock + (threadIdx.x >> 5);
-    bool const vectorized = (k % kVec == 0) && (reinterpret_cast<uintptr_t>(x) % 16 == 0);
-    float const sum = warp_sum(row < m ? row_square_sum(x + row * k, k, lane, 32, vectorized) : 0.f);
-    if (row < m && lane == 0)
-    {
-        inv_rms[row] = rsqrtf(sum / float(k) + eps);
-    }
+    store_row_inv_rms(x, m, k, eps, inv_rms);
 }
 
 template <typename T, int N>
@@ -88,8 +79,8 @@ __global__ void __launch_bounds__(kPostScaleThreads)
 template <typename T>
 cudaError_t launch_inv_rms_typed(void const* x, int64_t m, int64_t k, float eps, float* inv_rms, cudaStream_t stream)
 {
-    dim3 const grid(static_cast<unsigned>((m + kRmsRowsPerBlock - 1) / kRmsRowsPerBlock));
-    inv_rms_kernel<T><<<grid, kRmsRowsPerBlock * 32, 0, stream>>>(static_cast<T const*>(x), m, k, eps, inv_rms);
+    dim3 const grid(static_cast<unsigned>((m + kInvRmsRowsPerBlock - 1) / kInvRmsRowsPerBlock));
+    inv_rms_kernel<T><<<grid, kInvRmsRowsPerBlock * 32, 0, stream>>>(static_cast<T const*>(x), m, k, eps, inv_rms);
     return cudaGetLastError();
 }
 

@@ -106,6 +106,24 @@ __device__ __forceinline__ float row_square_sum(T const* row, int64_t k, int64_t
     return sum;
 }
 
+// The deferred norm's RMS reduction, one warp per row, kInvRmsRowsPerBlock rows a block:
+// inv_rms[row] = rsqrt(mean(row²) + eps). The body of both reduction kernels (two_stream's
+// side-stream one and epilogue_scale's, which releases the dependent GEMM first).
+constexpr int kInvRmsRowsPerBlock = 8;
+
+template <typename T>
+__device__ __forceinline__ void store_row_inv_rms(T const* x, int64_t m, int64_t k, float eps, float* inv_rms)
+{
+    int const lane = threadIdx.x & 31;
+    int64_t const row = int64_t(blockIdx.x) * kInvRmsRowsPerBlock + (threadIdx.x >> 5);
+    bool const vectorized = (k % int64_t(16 / sizeof(T)) == 0) && (reinterpret_cast<uintptr_t>(x) % 16 == 0);
+    float const sum = warp_sum(row < m ? row_square_sum(x + row * k, k, lane, 32, vectorized) : 0.f);
+    if (row < m && lane == 0)
+    {
+        inv_rms[row] = rsqrtf(sum / float(k) + eps);
+    }
+}
+
 // Index of the output that receives global column `col` (splits are few: a linear scan).
 __device__ __forceinline__ int split_of(OutputSplits const& splits, int64_t col)
 {

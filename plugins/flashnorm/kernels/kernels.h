@@ -2,6 +2,7 @@
 // returns the launch's error; none allocates, creates or synchronizes anything.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 
 #include <cuda_runtime_api.h>
@@ -80,6 +81,35 @@ cudaError_t configure_fused_kernels();
 inline bool fused_tensor_core_shape(int64_t k, int64_t n)
 {
     return n % 8 == 0 && k % 2 == 0;
+}
+
+// The epilogue-scale strategy (kernels/epilogue_scale.cu): the RMS reduction, then one CUTLASS sm90
+// GEMM launched after it with programmatic dependent launch, whose epilogue waits for the
+// reduction (griddepcontrol.wait), scales each row by inv_rms and stores each split straight into
+// its output. fp16/bf16 only. `inv_rms` is m floats of workspace; `delay_cycles` (test hook) holds
+// the reduction's writes back after the GEMM has been let start.
+cudaError_t launch_epilogue_scale(flashnorm_dtype dtype, void const* x, void const* w, int64_t m, int64_t k,
+    int64_t n, float eps, OutputSplits const& splits, float* inv_rms, int sm_count, int64_t delay_cycles,
+    cudaStream_t stream);
+
+// Whether this build has the epilogue-scale GEMM (CUTLASS headers were found at configure time).
+bool epilogue_scale_built();
+
+// Sets the epilogue-scale GEMMs' shared-memory attribute on the current device: once, outside any
+// capture (flashnorm_context_create does it).
+cudaError_t configure_epilogue_scale_kernels();
+
+// The epilogue-scale workspace: inv_rms, m floats.
+inline size_t epilogue_scale_workspace_bytes(int64_t m)
+{
+    return (sizeof(float) * static_cast<size_t>(m) + 255) / 256 * 256;
+}
+
+// The CUTLASS GEMM's TMA loads need 16-byte aligned bases and row strides of x and W*.
+inline bool epilogue_scale_operands_fit(flashnorm_dtype dtype, void const* x, void const* w, int64_t k, int64_t n)
+{
+    return dtype != FLASHNORM_DTYPE_F32 && k % 8 == 0 && n % 8 == 0 && reinterpret_cast<uintptr_t>(x) % 16 == 0
+        && reinterpret_cast<uintptr_t>(w) % 16 == 0;
 }
 
 } // namespace flashnorm

@@ -226,6 +226,13 @@ flashnorm_status create_context(flashnorm_context* context)
     FLASHNORM_CHECK(context, cudaEventCreateWithFlags(&context->join, cudaEventDisableTiming));
     FLASHNORM_CHECK(context, cublasLtCreate(&context->cublas));
     FLASHNORM_CHECK(context, configure_fused_kernels());
+    int major = 0;
+    int minor = 0;
+    FLASHNORM_CHECK(context, cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, context->device));
+    FLASHNORM_CHECK(context, cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, context->device));
+    context->epilogue_scale_usable = epilogue_scale_built() && major == 9 && minor == 0;
+    if (context->epilogue_scale_usable)
+        FLASHNORM_CHECK(context, configure_epilogue_scale_kernels());
     return FLASHNORM_STATUS_OK;
 }
 

@@ -104,6 +104,8 @@ struct flashnorm_context
     // The fused kernel's strip width and blocks per strip: chosen per shape unless forced by
     // flashnorm_testing_set_fused_tuning (tests and tuning runs).
     flashnorm::FusedTuning fused_tuning;
+    // The epilogue-scale strategy is in this build and the device is compute capability 9.0.
+    bool epilogue_scale_usable = false;
     std::string last_error;
 };
 

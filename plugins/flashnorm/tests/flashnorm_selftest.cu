@@ -72,6 +72,7 @@ char const* strategy_name(flashnorm_strategy strategy)
     case FLASHNORM_STRATEGY_FUSED: return "fused";
     case FLASHNORM_STRATEGY_TWO_STREAM: return "two_stream";
     case FLASHNORM_STRATEGY_PRENORM: return "prenorm";
+    case FLASHNORM_STRATEGY_EPILOGUE_SCALE: return "epilogue_scale";
     case FLASHNORM_STRATEGY_AUTO: break;
     }
     return "auto";
@@ -226,7 +227,8 @@ int main()
     auto const fused = FLASHNORM_STRATEGY_FUSED;
     auto const two = FLASHNORM_STRATEGY_TWO_STREAM;
     auto const prenorm = FLASHNORM_STRATEGY_PRENORM;
-    std::vector<Case> const cases = {
+    auto const epilogue = FLASHNORM_STRATEGY_EPILOGUE_SCALE;
+    std::vector<Case> cases = {
         {FLASHNORM_DTYPE_F32, fused, 3, 100, {30, 41}, 0, false},
         {FLASHNORM_DTYPE_F32, two, 3, 100, {30, 41}, 0, false},
         {FLASHNORM_DTYPE_BF16, fused, 5, 96, {32, 16, 16}, 0, false},    // tensor-core kernel
@@ -248,6 +250,19 @@ int main()
         {FLASHNORM_DTYPE_F16, fused, 2, 1030, {96, 40}, 0, false, 32, 8},  // ... N tail, K tail
         {FLASHNORM_DTYPE_F16, fused, 16, 130, {72}, 0, true, 32, 2},       // ... captured
     };
+    if (flashnorm_strategy_available(context, epilogue))
+    {
+        cases.insert(cases.end(), {
+            {FLASHNORM_DTYPE_BF16, epilogue, 5, 96, {32, 16, 16}, 0, false},      // 64-row tiles, row tail
+            {FLASHNORM_DTYPE_F16, epilogue, 300, 264, {40, 8, 16, 24}, 0, false}, // 128-row tiles, K tail
+            {FLASHNORM_DTYPE_BF16, epilogue, 7, 64, {40, 24}, 200000, false},     // delayed reduction
+            {FLASHNORM_DTYPE_BF16, epilogue, 70, 256, {64, 64, 64}, 100000, true}, // captured, delayed
+        });
+    }
+    else
+    {
+        std::printf("epilogue_scale: not available in this build or on this device, its cases skipped\n");
+    }
     for (Case const& c : cases)
         run_case(context, rng, c);
     flashnorm_context_destroy(context);

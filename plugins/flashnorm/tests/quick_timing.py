@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from flashnorm import kernels
+from flashnorm import cuda_ops
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "benchmarks"))
 from shapes import SITES  # noqa: E402
@@ -50,7 +50,7 @@ def time_us(function) -> float:
 
 def fused_table(rows) -> None:
     """The fused kernel alone (bf16) under every forced strip width and cluster size, then the
-    automatic choice (kernels.set_fused_tuning)."""
+    automatic choice (cuda_ops.set_fused_tuning)."""
     settings = [(strip, size) for strip in (128, 32) for size in (1, 2, 4, 8)] + [(0, 0)]
     for k, splits in SHAPES:
         n = sum(splits)
@@ -58,14 +58,14 @@ def fused_table(rows) -> None:
         xs = [torch.randn(m, k, device="cuda").bfloat16() for m in rows]
         outs = [[torch.empty(m, width, device="cuda", dtype=torch.bfloat16) for width in splits] for m in rows]
         for strip, size in settings:
-            kernels.set_fused_tuning(strip, size)
+            cuda_ops.set_fused_tuning(strip, size)
             cells = [
-                f"{time_us(lambda: kernels.flashnorm_matmul(x, w, 1e-5, splits, 'fused', out)):7.1f}"
+                f"{time_us(lambda: cuda_ops.flashnorm_matmul(x, w, 1e-5, splits, 'fused', out)):7.1f}"
                 for x, out in zip(xs, outs)
             ]
             label = f"strip={strip} cluster={size}" if strip else "auto"
             print(f"{label:>20} {f'{k}×{n}':>12} fused µs at M={rows}: {' '.join(cells)}", flush=True)
-        kernels.set_fused_tuning(0, 0)
+        cuda_ops.set_fused_tuning(0, 0)
 
 
 def timed_baselines(dtype: torch.dtype, shapes, rows, eps: float):
@@ -88,9 +88,9 @@ def table(dtype: torch.dtype, shapes, rows) -> None:
     print(f"{str(dtype):>15} {'M×K×N':>18} {'floor':>6} {'cuBLAS':>7} {'rms+GEMM':>8} {'fused':>7} {'2stream':>7} {'auto':>7} {'auto/GEMM':>9} {'rms+GEMM/auto':>13}")
     for m, k, splits, x, w, outs, gemm, baseline in timed_baselines(dtype, shapes, rows, eps):
         n = sum(splits)
-        fused = time_us(lambda: kernels.flashnorm_matmul(x, w, eps, splits, "fused", outs))
-        two = time_us(lambda: kernels.flashnorm_matmul(x, w, eps, splits, "two_stream", outs))
-        auto = time_us(lambda: kernels.flashnorm_matmul(x, w, eps, splits, "auto", outs))
+        fused = time_us(lambda: cuda_ops.flashnorm_matmul(x, w, eps, splits, "fused", outs))
+        two = time_us(lambda: cuda_ops.flashnorm_matmul(x, w, eps, splits, "two_stream", outs))
+        auto = time_us(lambda: cuda_ops.flashnorm_matmul(x, w, eps, splits, "auto", outs))
         floor = (k * n + m * k + m * n) * size / 4.3e12 * 1e6
         print(
             f"{'':>15} {f'{m}×{k}×{n}':>18} {floor:6.1f} {gemm:7.1f} {baseline:8.1f} {fused:7.1f} {two:7.1f} {auto:7.1f}"
@@ -108,13 +108,13 @@ def prefill_table(dtype: torch.dtype, shapes, rows) -> None:
     )
     for m, k, splits, x, w, outs, gemm, baseline in timed_baselines(dtype, shapes, rows, eps):
         n = sum(splits)
-        two = time_us(lambda: kernels.flashnorm_matmul(x, w, eps, splits, "two_stream", outs))
-        prenorm = time_us(lambda: kernels.flashnorm_matmul(x, w, eps, splits, "prenorm", outs))
-        auto = time_us(lambda: kernels.flashnorm_matmul(x, w, eps, splits, "auto", outs))
+        two = time_us(lambda: cuda_ops.flashnorm_matmul(x, w, eps, splits, "two_stream", outs))
+        prenorm = time_us(lambda: cuda_ops.flashnorm_matmul(x, w, eps, splits, "prenorm", outs))
+        auto = time_us(lambda: cuda_ops.flashnorm_matmul(x, w, eps, splits, "auto", outs))
         print(
             f"{'':>15} {f'{m}×{k}×{n}':>18} {gemm:8.1f} {baseline:8.1f} {two:8.1f} {prenorm:8.1f} {auto:8.1f}"
             f" {prenorm / baseline:18.2f} {two / baseline:18.2f} {auto / baseline:15.2f}"
-            f"  {kernels.resolve_strategy(m, k, n, dtype, splits)}",
+            f"  {cuda_ops.resolve_strategy(m, k, n, dtype, splits)}",
             flush=True,
         )
 
@@ -125,7 +125,7 @@ def main() -> None:
     parser.add_argument("--fused-only", action="store_true", help="only the fused kernel, bf16")
     parser.add_argument("--prefill", action="store_true", help="prenorm vs two_stream vs F.rms_norm + cuBLAS")
     args = parser.parse_args()
-    kernels.warm_up()
+    cuda_ops.warm_up()
     if args.fused_only:
         fused_table(args.rows)
         return

@@ -2,8 +2,22 @@
 # Everything the kernel library needs a GPU for, in one device call: build (normal and the
 # join-dropping mutant), the C++ self-test plain and under compute-sanitizer (memcheck, racecheck,
 # synccheck; racecheck also on the cuBLASLt-only control), the GPU pytest files (normal build
-# must pass; the race test against the mutant must FAIL), and a first timing. Logs go to $OUT (or ./out). Usage: run_gpu.sh [timing rows...]
+# must pass; the race test against the mutant must FAIL), cuBLASLt's answer on a per-token scale
+# vector (cublaslt_row_scale_probe), and a first timing. Logs go to $OUT (or ./out).
+# Usage: run_gpu.sh [--decode] [--no-timing] [--no-sanitizer] [timing rows...]
+#   --decode        also the end-to-end decode-step benchmark (benchmarks/decode_step.py)
+#   --no-timing     skip quick_timing.py;  --no-sanitizer  skip the compute-sanitizer runs
 set -uo pipefail
+decode=0 timing=1 sanitizer=1
+while [ $# -gt 0 ]; do
+    case "$1" in
+        --decode) decode=1 ;;
+        --no-timing) timing=0 ;;
+        --no-sanitizer) sanitizer=0 ;;
+        *) break ;;
+    esac
+    shift
+done
 cd "$(dirname "$0")/../../.."
 OUT="${OUT:-out}"
 LOGS="$OUT/logs"
@@ -26,41 +40,55 @@ step() { # name, command...: runs, logs to $OUT/<name>.log, records the exit cod
 }
 
 step build cmake -S . -B build -G Ninja -DCMAKE_BUILD_TYPE=Release -DPython3_EXECUTABLE="$(command -v python3)" \
-    && step build2 cmake --build build --target flashnorm flashnorm_selftest cublaslt_control --parallel 16 || { tail -50 "$LOGS"/build*.log; exit 1; }
+    && step build2 cmake --build build --target flashnorm flashnorm_selftest cublaslt_control cublaslt_row_scale_probe --parallel 16 \
+    || { tail -50 "$LOGS"/build*.log; exit 1; }
+grep -cE "Building (CUDA|CXX) object" "$LOGS/build2.log" | sed 's/^/objects compiled: /' | tee -a "$summary"
 step build_mutant bash -c "cmake -S . -B build-mutant -G Ninja -DPython3_EXECUTABLE=$(command -v python3) -DFLASHNORM_TESTING_DROP_JOIN=ON -DFLASHNORM_BUILD_TESTS=OFF \
-    && cmake --build build-mutant --target flashnorm --parallel 16"
+    && cmake --build build-mutant --target flashnorm --parallel 16" &
+mutant_build=$!
+
+step row_scale_probe build/plugins/flashnorm/tests/cublaslt_row_scale_probe
+cat "$LOGS/row_scale_probe.log" | tee -a "$summary"
 
 selftest=build/plugins/flashnorm/tests/flashnorm_selftest
 step selftest "$selftest"; tail -2 "$LOGS/selftest.log" | tee -a "$summary"
-for tool in memcheck racecheck synccheck; do
-    step "sanitizer_$tool" compute-sanitizer --tool "$tool" --error-exitcode 3 "$selftest"
-    grep -E "ERROR SUMMARY|RACECHECK SUMMARY|passed, " "$LOGS/sanitizer_$tool.log" | tee -a "$summary"
-done
-# racecheck flags cuBLAS's sm_90 GEMM kernels (nvjet_*) wherever they run, torch.mm included
-# (kernels/NOTES.md): the control runs the library's GEMM shapes through cuBLASLt alone. Hazards
-# are then sorted by kernel: FlashNorm's own must be none. (Excluding nvjet_* from the check with
-# --kernel-name-exclude makes the sanitizer itself fail on a batched cuBLASLt GEMM: NOTES.md.)
-step sanitizer_racecheck_control compute-sanitizer --tool racecheck build/plugins/flashnorm/tests/cublaslt_control
-for log in sanitizer_racecheck sanitizer_racecheck_control; do
-    note "$log: race reports in cuBLAS's nvjet_* kernels: $(grep "Race reported" "$LOGS/$log.log" | grep -c nvjet_)," \
-        "in any other kernel: $(grep "Race reported" "$LOGS/$log.log" | grep -vc nvjet_)"
-done
-
 step pytest_normal python3 -m pytest -q -p no:cacheprovider tests/kernels/test_correctness.py \
-    tests/kernels/test_race.py tests/kernels/test_cuda_graph.py
+    tests/kernels/test_race.py tests/kernels/test_cuda_graph.py tests/kernels/test_torch_op.py tests/kernels/test_epilogue_scale.py
 tail -3 "$LOGS/pytest_normal.log" | tee -a "$summary"
+wait "$mutant_build"
 
 # Bounded: a mutant is a real race, and a late write into freed memory can stall the GPU.
 step pytest_mutant_race env FLASHNORM_LIBRARY="$PWD/build-mutant/plugins/flashnorm/libflashnorm.so" timeout 300 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_race.py
 note "(mutant build: the race test is expected to FAIL)"
 grep -E "calls wrong|passed|failed" "$LOGS/pytest_mutant_race.log" | tail -4 | tee -a "$summary"
 
-step timing python3 plugins/flashnorm/tests/quick_timing.py "$@"
-step timing_prefill python3 plugins/flashnorm/tests/quick_timing.py --prefill 64 256 1024 4096
-# The fused kernel's strip widths and cluster sizes, forced (tuning the automatic choice).
-step timing_fused python3 plugins/flashnorm/tests/quick_timing.py --fused-only 1 16
-cat "$LOGS/timing.log" "$LOGS/timing_prefill.log" "$LOGS/timing_fused.log" > "$OUT/timing.txt"
+if [ "$decode" -eq 1 ]; then
+    step decode_step timeout "${DECODE_TIMEOUT:-330}" python3 benchmarks/decode_step.py --out "$OUT"
+    tail -40 "$LOGS/decode_step.log" | grep -E "^\||plot|Error|error" | tee -a "$summary"
+fi
+if [ "$sanitizer" -eq 1 ]; then
+    for tool in memcheck racecheck synccheck; do
+        step "sanitizer_$tool" compute-sanitizer --tool "$tool" --error-exitcode 3 "$selftest"
+        grep -E "ERROR SUMMARY|RACECHECK SUMMARY|passed, " "$LOGS/sanitizer_$tool.log" | tee -a "$summary"
+    done
+    # racecheck flags cuBLAS's sm_90 GEMM kernels (nvjet_*) wherever they run, torch.mm included
+    # (kernels/NOTES.md): the control runs the library's GEMM shapes through cuBLASLt alone. Hazards
+    # are then sorted by kernel: FlashNorm's own must be none. (Excluding nvjet_* from the check with
+    # --kernel-name-exclude makes the sanitizer itself fail on a batched cuBLASLt GEMM: NOTES.md.)
+    step sanitizer_racecheck_control compute-sanitizer --tool racecheck build/plugins/flashnorm/tests/cublaslt_control
+    for log in sanitizer_racecheck sanitizer_racecheck_control; do
+        note "$log: race reports in cuBLAS's nvjet_* kernels: $(grep "Race reported" "$LOGS/$log.log" | grep -c nvjet_)," \
+            "in any other kernel: $(grep "Race reported" "$LOGS/$log.log" | grep -vc nvjet_)"
+    done
+fi
+if [ "$timing" -eq 1 ]; then
+    step timing python3 plugins/flashnorm/tests/quick_timing.py "$@"
+    step timing_prefill python3 plugins/flashnorm/tests/quick_timing.py --prefill 64 256 1024 4096
+    # The fused kernel's strip widths and cluster sizes, forced (tuning the automatic choice).
+    step timing_fused python3 plugins/flashnorm/tests/quick_timing.py --fused-only 1 16
+    cat "$LOGS/timing.log" "$LOGS/timing_prefill.log" "$LOGS/timing_fused.log" > "$OUT/timing.txt"
+    cat "$OUT/timing.txt"
+fi
 tar czf "$OUT/logs.tgz" -C "$OUT" logs && rm -rf "$LOGS"   # few files come back from the device
-cat "$OUT/timing.txt"
 echo "---- summary"
 cat "$summary"

@@ -63,7 +63,8 @@ bool readFloat(nvinfer1::PluginField const& field, float& out)
 }
 } // namespace
 
-FlashNormMatMulCreator::FlashNormMatMulCreator()
+FlashNormMatMulCreator::FlashNormMatMulCreator(int32_t outputs)
+    : mOutputs(outputs)
 {
     // Declared fields are all the parser forwards from the node (plugin_version and
     // plugin_namespace are not fields).
@@ -79,7 +80,7 @@ nvinfer1::IPluginV3* FlashNormMatMulCreator::createPlugin(
 {
     try
     {
-        std::string const pluginName = name != nullptr ? name : kPluginName;
+        std::string const pluginName = name != nullptr ? name : getPluginName();
         if (fc == nullptr || (fc->nbFields > 0 && fc->fields == nullptr))
         {
             logError(pluginName + ": no plugin fields given (eps and splits are required)");
@@ -130,6 +131,12 @@ nvinfer1::IPluginV3* FlashNormMatMulCreator::createPlugin(
             logError(pluginName + ": missing required field " + (haveEps ? "splits" : "eps"));
             return nullptr;
         }
+        if (static_cast<int32_t>(attributes.splits.size()) != mOutputs)
+        {
+            logError(pluginName + ": " + getPluginName() + " has " + std::to_string(mOutputs)
+                + " outputs, but splits holds " + std::to_string(attributes.splits.size()) + " sizes");
+            return nullptr;
+        }
         std::string why;
         if (!validateAttributes(attributes, why))
         {
@@ -152,7 +159,7 @@ nvinfer1::PluginFieldCollection const* FlashNormMatMulCreator::getFieldNames() n
 
 char const* FlashNormMatMulCreator::getPluginName() const noexcept
 {
-    return kPluginName;
+    return pluginName(mOutputs);
 }
 
 char const* FlashNormMatMulCreator::getPluginVersion() const noexcept

@@ -1,14 +1,17 @@
 /*
- * The creator TensorRT's ONNX parser and engine deserializer use to make FlashNormMatMul.
+ * The creators TensorRT's ONNX parser and engine deserializer use to make FlashNormMatMul<N>:
+ * one per output count N, each making plugins with exactly N outputs.
  *
  * Fields (as the parser passes ONNX attributes): eps FLOAT32 (required), splits INT32 array
- * (required; INTS arrive as int32), strategy INT32 (optional, default 0 = auto).
+ * of N sizes (required; INTS arrive as int32), strategy INT32 (optional, default 0 = auto;
+ * the defer pass writes it on every node, so the parser finds every declared field).
  */
 #ifndef FLASHNORM_TRT_FLASHNORM_MATMUL_CREATOR_H
 #define FLASHNORM_TRT_FLASHNORM_MATMUL_CREATOR_H
 
 #include <NvInferRuntime.h>
 
+#include <cstdint>
 #include <vector>
 
 namespace flashnorm
@@ -19,7 +22,7 @@ namespace trt
 class FlashNormMatMulCreator final : public nvinfer1::IPluginCreatorV3One
 {
 public:
-    FlashNormMatMulCreator();
+    explicit FlashNormMatMulCreator(int32_t outputs);
 
     nvinfer1::IPluginV3* createPlugin(char const* name, nvinfer1::PluginFieldCollection const* fc,
         nvinfer1::TensorRTPhase phase) noexcept override;
@@ -29,6 +32,7 @@ public:
     char const* getPluginNamespace() const noexcept override;
 
 private:
+    int32_t mOutputs;
     std::vector<nvinfer1::PluginField> mFields;
     nvinfer1::PluginFieldCollection mFieldCollection{};
 };

@@ -44,6 +44,15 @@ bool isSupportedType(nvinfer1::DataType type)
 }
 } // namespace
 
+char const* pluginName(int32_t outputs) noexcept
+{
+    static char const* const kNames[FLASHNORM_MAX_OUTPUTS] = {"FlashNormMatMul1", "FlashNormMatMul2",
+        "FlashNormMatMul3", "FlashNormMatMul4", "FlashNormMatMul5", "FlashNormMatMul6", "FlashNormMatMul7",
+        "FlashNormMatMul8"};
+    static_assert(FLASHNORM_MAX_OUTPUTS == 8, "one plugin name per output count");
+    return outputs >= 1 && outputs <= FLASHNORM_MAX_OUTPUTS ? kNames[outputs - 1] : nullptr;
+}
+
 bool validateAttributes(MatMulAttributes const& attributes, std::string& why)
 {
     if (!std::isfinite(attributes.eps) || attributes.eps < 0.0F)
@@ -65,9 +74,10 @@ bool validateAttributes(MatMulAttributes const& attributes, std::string& why)
             return false;
         }
     }
-    if (attributes.strategy < FLASHNORM_STRATEGY_AUTO || attributes.strategy > FLASHNORM_STRATEGY_PRENORM)
+    if (attributes.strategy < FLASHNORM_STRATEGY_AUTO || attributes.strategy > FLASHNORM_STRATEGY_EPILOGUE_SCALE)
     {
-        why = "strategy must be 0 (auto), 1 (two-stream), 2 (fused) or 3 (prenorm), got " + std::to_string(attributes.strategy);
+        why = "strategy must be 0 (auto), 1 (two-stream), 2 (fused), 3 (prenorm) or 4 (epilogue-scale), got "
+            + std::to_string(attributes.strategy);
         return false;
     }
     return true;
@@ -118,7 +128,7 @@ nvinfer1::IPluginV3* FlashNormMatMulPlugin::clone() noexcept
 
 char const* FlashNormMatMulPlugin::getPluginName() const noexcept
 {
-    return kPluginName;
+    return pluginName(static_cast<int32_t>(mAttributes.splits.size()));
 }
 
 char const* FlashNormMatMulPlugin::getPluginVersion() const noexcept

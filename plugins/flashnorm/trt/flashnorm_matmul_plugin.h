@@ -1,5 +1,10 @@
 /*
- * FlashNormMatMul: TensorRT IPluginV3 front end of the FlashNorm kernel library.
+ * FlashNormMatMul<N>: TensorRT IPluginV3 front end of the FlashNorm kernel library.
+ *
+ * One plugin name per output count N = 1 .. FLASHNORM_MAX_OUTPUTS (FlashNormMatMul3 for
+ * q|k|v, FlashNormMatMul2 for gate|up): TensorRT's ONNX parser finds a node's model-local
+ * reference function by op type alone, so each arity needs its own op type, and the plugin
+ * creator is looked up by that same op type (exporter/flashnorm/contract.py).
  *
  *   inputs : x [..., K], W* [K, N]          (one dtype: fp32, fp16 or bf16)
  *   outputs: y_i [..., N_i], sum(N_i) = N    y = (x · W*) ⊙ rsqrt(mean(x²) + eps), split by columns
@@ -24,9 +29,12 @@ namespace flashnorm
 namespace trt
 {
 
-constexpr char const* kPluginName = "FlashNormMatMul";
+constexpr char const* kPluginNamePrefix = "FlashNormMatMul";
 constexpr char const* kPluginVersion = "1";
 constexpr char const* kPluginNamespace = "flashnorm";
+
+/* "FlashNormMatMul<outputs>" for 1 <= outputs <= FLASHNORM_MAX_OUTPUTS, else nullptr. */
+char const* pluginName(int32_t outputs) noexcept;
 
 /* The plugin's attributes: what the ONNX node carries and what an engine serializes. */
 struct MatMulAttributes

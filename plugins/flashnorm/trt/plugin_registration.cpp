@@ -23,6 +23,12 @@
  *
  * The library therefore has no DT_NEEDED on any TensorRT library (it builds against the
  * headers only) and works with the full, lean and dispatch runtimes alike.
+ *
+ * One creator per output count (FlashNormMatMul1 .. FlashNormMatMul8), registered together.
+ * TensorRT for RTX has no plugin layers: its ONNX parser creates a plugin for a node whose
+ * creator is registered and then aborts the process. In a process where TensorRT-RTX is loaded
+ * and no TensorRT library is, getCreators therefore hands out no creators (with a warning), and
+ * the parser builds FlashNormMatMul<N> nodes from their model-local reference functions.
  * FLASHNORM_PLUGIN_NO_AUTOREGISTER=1 turns route 1 off.
  */
 #include <NvInferRuntime.h>
@@ -45,11 +51,18 @@ namespace
 using GetPluginRegistryFn = nvinfer1::IPluginRegistry* (*) ();
 using GetLoggerFn = nvinfer1::ILogger* (*) ();
 
-/* Never destroyed: a registry may still hold the pointer while the process exits. */
-FlashNormMatMulCreator& creator()
+/* Never destroyed: a registry may still hold the pointers while the process exits. */
+nvinfer1::IPluginCreatorInterface* const* creators()
 {
-    static auto* instance = new FlashNormMatMulCreator();
-    return *instance;
+    static auto* const instances = [] {
+        auto* list = new nvinfer1::IPluginCreatorInterface*[FLASHNORM_MAX_OUTPUTS];
+        for (int32_t outputs = 1; outputs <= FLASHNORM_MAX_OUTPUTS; ++outputs)
+        {
+            list[outputs - 1] = new FlashNormMatMulCreator(outputs);
+        }
+        return list;
+    }();
+    return instances;
 }
 
 struct SelfRegistration
@@ -90,6 +103,24 @@ void* findLoadedTensorRTSymbol(char const* symbol)
         }
     }
     return nullptr;
+}
+
+/* Whether TensorRT for RTX is loaded and no TensorRT library is: then no plugin layer can be
+ * made, and a registered creator would only lead its parser into aborting the process. */
+bool hostIsTensorRTRtx()
+{
+    static char const* const kRtxLibraries[] = {"libtensorrt_rtx.so.1", "libtensorrt_rtx.so"};
+    bool rtx = false;
+    for (char const* library : kRtxLibraries)
+    {
+        if (void* handle = dlopen(library, RTLD_LAZY | RTLD_NOLOAD))
+        {
+            dlclose(handle);
+            rtx = true;
+        }
+    }
+    return rtx && findLoadedTensorRTSymbol("createInferBuilder_INTERNAL") == nullptr
+        && findLoadedTensorRTSymbol("createInferRuntime_INTERNAL") == nullptr;
 }
 
 /* Loads the full TensorRT runtime by soname (the major these headers declare first), as a
@@ -141,14 +172,19 @@ void registerWithLoadedTensorRT()
         return;
     }
     // Another copy of this library (or a different build) may be registered already.
-    if (registry->getCreator(kPluginName, kPluginVersion, kPluginNamespace) != nullptr)
+    if (registry->getCreator(pluginName(1), kPluginVersion, kPluginNamespace) != nullptr)
     {
         log(nvinfer1::ILogger::Severity::kWARNING,
-            "a FlashNormMatMul creator is already registered; this library's copy is not registered again");
+            "FlashNormMatMul creators are already registered; this library's copies are not registered again");
         return;
     }
     std::lock_guard<std::mutex> lock(selfRegistration().mutex);
-    if (registry->registerCreator(creator(), kPluginNamespace))
+    int32_t registered = 0;
+    for (int32_t i = 0; i < FLASHNORM_MAX_OUTPUTS; ++i)
+    {
+        registered += registry->registerCreator(*creators()[i], kPluginNamespace) ? 1 : 0;
+    }
+    if (registered > 0)
     {
         selfRegistration().registry = registry;
     }
@@ -176,17 +212,27 @@ extern "C" __attribute__((visibility("default"))) nvinfer1::IPluginCreatorInterf
     int32_t& nbCreators)
 {
     using namespace flashnorm::trt;
+    if (hostIsTensorRTRtx())
     {
-        // The loader that calls getCreators registers the creator itself: withdraw the
-        // registration the static initializer made so that it is not there twice.
+        log(nvinfer1::ILogger::Severity::kWARNING,
+            "TensorRT for RTX has no plugin layers: no FlashNormMatMul creators are registered, and "
+            "FlashNormMatMul<N> nodes are built from their model-local reference functions");
+        nbCreators = 0;
+        return creators();
+    }
+    {
+        // The loader that calls getCreators registers the creators itself: withdraw the
+        // registrations the static initializer made so that they are not there twice.
         std::lock_guard<std::mutex> lock(selfRegistration().mutex);
         if (selfRegistration().registry != nullptr)
         {
-            selfRegistration().registry->deregisterCreator(creator());
+            for (int32_t i = 0; i < FLASHNORM_MAX_OUTPUTS; ++i)
+            {
+                selfRegistration().registry->deregisterCreator(*creators()[i]);
+            }
             selfRegistration().registry = nullptr;
         }
     }
-    static nvinfer1::IPluginCreatorInterface* const kCreators[] = {&creator()};
-    nbCreators = 1;
-    return kCreators;
+    nbCreators = FLASHNORM_MAX_OUTPUTS;
+    return creators();
 }

@@ -47,6 +47,14 @@ typedef enum flashnorm_strategy
                                           directly (all runs but the widest on the side stream, joined
                                           before the call returns); for large M, where a pass over the
                                           N-wide output costs more than one over the K-wide input */
+    FLASHNORM_STRATEGY_EPILOGUE_SCALE = 4, /* the RMS reduction, then one CUTLASS sm90 GEMM launched after it
+                                          with programmatic dependent launch (its main loop overlaps the
+                                          reduction; its epilogue waits for it), scaling each row by
+                                          rsqrt(mean(x²)+eps) and storing each split straight into its
+                                          output. fp16/bf16 with K and N multiples of 8 and 16-byte aligned
+                                          x and W*, on compute capability 9.0, in builds that found the
+                                          CUTLASS headers; elsewhere FLASHNORM_STATUS_UNSUPPORTED (AUTO then
+                                          never picks it) */
 } flashnorm_strategy;
 
 typedef enum flashnorm_status
@@ -101,7 +109,8 @@ FLASHNORM_API char const* flashnorm_status_string(flashnorm_status status);
 /* The last error's detail on this context (thread-unsafe, for messages only). */
 FLASHNORM_API char const* flashnorm_context_last_error(flashnorm_context const* context);
 
-/* Test hook: the side stream's work (two-stream's reduction, prenorm's narrow-split GEMMs) waits
+/* Test hook: the side stream's work (two-stream's reduction, prenorm's narrow-split GEMMs) and the
+ * epilogue-scale strategy's reduction (after it has let the GEMM start) wait
  * this many GPU clock cycles before it writes, so that a missing join would read a stale buffer.
  * 0 (the default) disables it. */
 FLASHNORM_API void flashnorm_testing_set_side_delay(flashnorm_context* context, int64_t cycles);
@@ -111,6 +120,9 @@ FLASHNORM_API void flashnorm_testing_set_side_delay(flashnorm_context* context, 
  * automatic choice. Any other value is FLASHNORM_STATUS_INVALID_ARGUMENT. */
 FLASHNORM_API flashnorm_status flashnorm_testing_set_fused_tuning(
     flashnorm_context* context, int32_t strip_cols, int32_t cluster_size);
+
+/* 1 if `strategy` can run on this context's device in this build (AUTO: always 1), else 0. */
+FLASHNORM_API int flashnorm_strategy_available(flashnorm_context const* context, flashnorm_strategy strategy);
 
 /* 1 if this build was made with FLASHNORM_TESTING_DROP_JOIN (the race mutation), else 0. */
 FLASHNORM_API int flashnorm_testing_join_dropped(void);

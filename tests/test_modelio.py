@@ -1,4 +1,4 @@
-"""flashnorm.io: load/save with external data, atomic writes, one-line errors for bad input."""
+"""flashnorm.modelio: load/save with external data, atomic writes, one-line errors for bad input."""
 
 from __future__ import annotations
 
@@ -13,8 +13,10 @@ import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from flashnorm import io
+from flashnorm import files, modelio
 from flashnorm.errors import FlashNormError
+from flashnorm.modelio import loading, saving, wire
+from flashnorm.modelio.values import stored_values
 
 HIDDEN, FFN = 256, 1024
 
@@ -70,7 +72,7 @@ def _model(weights: dict[str, np.ndarray]) -> onnx.ModelProto:
     )
     model.ir_version = 8
     model.doc_string = "io round trip"
-    helper.set_model_props(model, {"source": "tests/test_io.py"})
+    helper.set_model_props(model, {"source": "tests/test_modelio.py"})
     return model
 
 
@@ -104,14 +106,14 @@ def test_external_round_trip_modify_one_tensor(external_model, tmp_path, rng):
     data = source.with_name("weights.bin")
     before = (_digest(source), _digest(data))
 
-    graph = io.load(source)
+    graph = modelio.load(source)
     up = _constant(graph, "w_up")
-    assert isinstance(up._values, io.ExternalValues)
+    assert isinstance(stored_values(up), modelio.ExternalValues)
     gain = rng.uniform(0.5, 2.0, HIDDEN).astype(np.float32)
     up.values = up.values * gain[:, None]  # the fold pass's edit: scale row k by g[k]
     out = tmp_path / "out" / "model.onnx"
     out.parent.mkdir()
-    io.save(graph, out)
+    modelio.save(graph, out)
 
     assert (_digest(source), _digest(data)) == before, "the input model or its data changed"
     assert sorted(p.name for p in out.parent.iterdir()) == ["model.onnx", "model.onnx.data"]
@@ -134,29 +136,59 @@ def test_external_round_trip_modify_one_tensor(external_model, tmp_path, rng):
 
 def test_load_keeps_model_fields_and_lazy_values_read_once(external_model):
     source, weights = external_model
-    graph = io.load(source)
+    graph = modelio.load(source)
     down = _constant(graph, "w_down")
-    lazy = down._values
+    lazy = stored_values(down)
     np.testing.assert_array_equal(down.values, weights["w_down"])
     np.testing.assert_array_equal(_constant(graph, "w_half").values, weights["w_half"])
     assert not lazy.tensor.HasField("raw_data"), "reading a weight must not keep a second copy in the proto"
 
     out = source.with_name("copy.onnx")
-    io.save(graph, out)
+    modelio.save(graph, out)
     saved, original = onnx.load(str(out), load_external_data=False), onnx.load(str(source), load_external_data=False)
     assert saved.ir_version == original.ir_version == 8
     assert (saved.producer_name, saved.producer_version) == ("flashnorm-tests", "7")
     assert saved.doc_string == "io round trip"
-    assert {p.key: p.value for p in saved.metadata_props} == {"source": "tests/test_io.py"}
+    assert {p.key: p.value for p in saved.metadata_props} == {"source": "tests/test_modelio.py"}
     assert {(o.domain, o.version) for o in saved.opset_import} == {("", 17), ("flashnorm.test", 1)}
     assert [(f.domain, f.name) for f in saved.functions] == [("flashnorm.test", "Scale")]
 
 
+def test_a_copy_of_a_loaded_graph_saves_with_the_models_fields(external_model):
+    # inspect's dry run folds graph.copy(); onnx-graphsurgeon's own Graph.copy() drops the
+    # producer and anything kept beside the Graph, so a copy saved without them.
+    source, weights = external_model
+    graph = modelio.load(source)
+    copied = graph.copy().copy()
+    assert isinstance(copied, modelio.ModelGraph)
+    copied.model_fields.metadata_props.add(key="copied", value="yes")
+    assert len(graph.model_fields.metadata_props) == 1, "a copy owns its fields"
+
+    out = source.with_name("copied.onnx")
+    modelio.save(copied, out)
+    saved = onnx.load(str(out))
+    assert saved.ir_version == 8 and (saved.producer_name, saved.producer_version) == ("flashnorm-tests", "7")
+    assert saved.doc_string == "io round trip"
+    assert {p.key: p.value for p in saved.metadata_props} == {"source": "tests/test_modelio.py", "copied": "yes"}
+    assert [(f.domain, f.name) for f in saved.functions] == [("flashnorm.test", "Scale")]
+    for tensor in saved.graph.initializer:
+        if tensor.name in weights:
+            assert numpy_helper.to_array(tensor).tobytes() == weights[tensor.name].tobytes(), tensor.name
+
+
+def test_only_values_reads_graphsurgeons_private_values():
+    # `Constant.values = ...` sets lazy values publicly; only reading them unloaded has no
+    # public API, and modelio.values.stored_values is its one reader.
+    package = Path(modelio.__file__).resolve().parents[1]
+    readers = sorted(str(p.relative_to(package)) for p in package.rglob("*.py") if "._values" in p.read_text())
+    assert readers == ["modelio/values.py"]
+
+
 def test_unchanged_tensors_are_copied_byte_for_byte(external_model):
     source, weights = external_model
-    graph = io.load(source)
+    graph = modelio.load(source)
     out = source.with_name("same.onnx")
-    io.save(graph, out)
+    modelio.save(graph, out)
     saved = onnx.load(str(out))
     for name, values in weights.items():
         stored = next(t for t in saved.graph.initializer if t.name == name)
@@ -165,12 +197,12 @@ def test_unchanged_tensors_are_copied_byte_for_byte(external_model):
 
 def test_save_over_the_input_itself(external_model, rng):
     source, weights = external_model
-    graph = io.load(source)
-    io.save(graph, source)  # weights.bin → model.onnx.data, same model path
-    graph = io.load(source)
+    graph = modelio.load(source)
+    modelio.save(graph, source)  # weights.bin → model.onnx.data, same model path
+    graph = modelio.load(source)
     up = _constant(graph, "w_up")
     up.values = up.values * 3.0
-    io.save(graph, source)  # now the input's own data file is replaced while it is read
+    modelio.save(graph, source)  # now the input's own data file is replaced while it is read
     assert _leftovers(source.parent) == []
 
     x = rng.standard_normal((2, HIDDEN)).astype(np.float32)
@@ -187,10 +219,10 @@ def test_refuses_to_replace_another_models_data(tmp_path, rng):
     weights = _weights(rng)
     source = tmp_path / "a.onnx"
     _save_external(_model(weights), source, "b.onnx.data")
-    graph = io.load(source)
+    graph = modelio.load(source)
     before = _digest(tmp_path / "b.onnx.data")
     with pytest.raises(FlashNormError, match="b.onnx.data"):
-        io.save(graph, tmp_path / "b.onnx")
+        modelio.save(graph, tmp_path / "b.onnx")
     assert _digest(tmp_path / "b.onnx.data") == before
     assert not (tmp_path / "b.onnx").exists() and _leftovers(tmp_path) == []
 
@@ -198,9 +230,9 @@ def test_refuses_to_replace_another_models_data(tmp_path, rng):
 def _saved_copy_then_changed(external_model):
     """The input saved as out.onnx (external data), then its graph's w_up changed in memory."""
     source, _ = external_model
-    graph = io.load(source)
+    graph = modelio.load(source)
     out = source.with_name("out.onnx")
-    io.save(graph, out)
+    modelio.save(graph, out)
     up = _constant(graph, "w_up")
     up.values = up.values * 2.0
     return graph, out, up
@@ -210,7 +242,7 @@ def test_failed_save_leaves_previous_files_untouched(external_model, monkeypatch
     graph, out, up = _saved_copy_then_changed(external_model)
     before = (_digest(out), _digest(out.with_name("out.onnx.data")))
     calls = {"n": 0}
-    real_copy = io._copy_range
+    real_copy = saving._copy_range
 
     def copy_then_fail(*args, **kwargs):
         calls["n"] += 1
@@ -218,21 +250,21 @@ def test_failed_save_leaves_previous_files_untouched(external_model, monkeypatch
             raise OSError(28, "No space left on device")
         real_copy(*args, **kwargs)
 
-    monkeypatch.setattr(io, "_copy_range", copy_then_fail)
+    monkeypatch.setattr(saving, "_copy_range", copy_then_fail)
     with pytest.raises(OSError):
-        io.save(graph, out)
+        modelio.save(graph, out)
     assert (_digest(out), _digest(out.with_name("out.onnx.data"))) == before
     assert _leftovers(out.parent) == []
     # The graph is intact after the failure and saves fine once the disk is back.
-    monkeypatch.setattr(io, "_copy_range", real_copy)
-    io.save(graph, out)
-    np.testing.assert_array_equal(_constant(io.load(out), "w_up").values, up.values)
+    monkeypatch.setattr(saving, "_copy_range", real_copy)
+    modelio.save(graph, out)
+    np.testing.assert_array_equal(_constant(modelio.load(out), "w_up").values, up.values)
 
 
 def _fail_commit(monkeypatch, failing_call: int) -> None:
     """Make the `failing_call`-th rename into place (1: data file, 2: model file) fail."""
     calls = {"n": 0}
-    real_commit = io._Staged.commit
+    real_commit = files.StagedFile.commit
 
     def commit(self):
         calls["n"] += 1
@@ -240,7 +272,7 @@ def _fail_commit(monkeypatch, failing_call: int) -> None:
             raise OSError(5, "Input/output error")
         real_commit(self)
 
-    monkeypatch.setattr(io._Staged, "commit", commit)
+    monkeypatch.setattr(files.StagedFile, "commit", commit)
 
 
 def test_failure_between_the_two_renames_leaves_no_model_reading_the_new_data(external_model, monkeypatch):
@@ -249,12 +281,12 @@ def test_failure_between_the_two_renames_leaves_no_model_reading_the_new_data(ex
     graph, out, up = _saved_copy_then_changed(external_model)
     _fail_commit(monkeypatch, failing_call=2)
     with pytest.raises(OSError):
-        io.save(graph, out)
+        modelio.save(graph, out)
     assert not out.exists()
     assert _leftovers(out.parent) == []
     monkeypatch.undo()
-    io.save(graph, out)
-    np.testing.assert_array_equal(_constant(io.load(out), "w_up").values, up.values)
+    modelio.save(graph, out)
+    np.testing.assert_array_equal(_constant(modelio.load(out), "w_up").values, up.values)
 
 
 def test_failed_data_rename_puts_the_previous_model_back(external_model, monkeypatch):
@@ -262,7 +294,7 @@ def test_failed_data_rename_puts_the_previous_model_back(external_model, monkeyp
     before = (_digest(out), _digest(out.with_name("out.onnx.data")))
     _fail_commit(monkeypatch, failing_call=1)
     with pytest.raises(OSError):
-        io.save(graph, out)
+        modelio.save(graph, out)
     assert (_digest(out), _digest(out.with_name("out.onnx.data"))) == before
     assert _leftovers(out.parent) == []
 
@@ -271,9 +303,9 @@ def test_inline_models_stay_inline_and_round_trip(tmp_path, rng):
     weights = _weights(rng)
     source = tmp_path / "inline.onnx"
     onnx.save(_model(weights), str(source))
-    graph = io.load(source)
+    graph = modelio.load(source)
     out = tmp_path / "inline_out.onnx"
-    io.save(graph, out)
+    modelio.save(graph, out)
     assert not out.with_name("inline_out.onnx.data").exists()
     onnx.checker.check_model(str(out), full_check=True)
     x = rng.standard_normal((4, HIDDEN)).astype(np.float32)
@@ -283,19 +315,19 @@ def test_inline_models_stay_inline_and_round_trip(tmp_path, rng):
 
 def test_external_model_saved_inline_on_request(external_model, rng):
     source, _ = external_model
-    graph = io.load(source)
+    graph = modelio.load(source)
     half = _constant(graph, "w_half")
     half.values = (half.values * np.float16(0.5)).astype(np.float16)
     out = source.with_name("inline.onnx")
-    io.save(graph, out, external_data=False)
+    modelio.save(graph, out, external_data=False)
     assert not out.with_name("inline.onnx.data").exists()
     saved = onnx.load(str(out), load_external_data=False)
     assert not any(t.external_data for t in saved.graph.initializer)
     x = rng.standard_normal((2, HIDDEN)).astype(np.float32)
-    ref_graph = io.load(source)
+    ref_graph = modelio.load(source)
     _constant(ref_graph, "w_half").values = half.values
     reference = source.with_name("reference.onnx")
-    io.save(ref_graph, reference, external_data=True)
+    modelio.save(ref_graph, reference, external_data=True)
     for got, want in zip(_run(out, x), _run(reference, x)):
         np.testing.assert_array_equal(got, want)
 
@@ -304,19 +336,19 @@ def test_large_in_memory_graph_goes_external_automatically(tmp_path, monkeypatch
     weights = _weights(rng)
     source = tmp_path / "inline.onnx"
     onnx.save(_model(weights), str(source))
-    graph = io.load(source)
-    monkeypatch.setattr(io, "EXTERNAL_DATA_THRESHOLD", sum(v.nbytes for v in weights.values()) // 2)
-    io.save(graph, tmp_path / "auto.onnx")
+    graph = modelio.load(source)
+    monkeypatch.setattr(saving, "EXTERNAL_DATA_THRESHOLD", sum(v.nbytes for v in weights.values()) // 2)
+    modelio.save(graph, tmp_path / "auto.onnx")
     assert (tmp_path / "auto.onnx.data").exists()
 
 
 def test_inline_save_over_protobuf_limit_is_refused(tmp_path, monkeypatch, rng):
     source = tmp_path / "inline.onnx"
     onnx.save(_model(_weights(rng)), str(source))
-    graph = io.load(source)
-    monkeypatch.setattr(io, "_TWO_GIB", 1 << 20)
+    graph = modelio.load(source)
+    monkeypatch.setattr(wire, "PROTOBUF_LIMIT", 1 << 20)
     with pytest.raises(FlashNormError, match="external data"):
-        io.save(graph, tmp_path / "big.onnx", external_data=False)
+        modelio.save(graph, tmp_path / "big.onnx", external_data=False)
     assert not (tmp_path / "big.onnx").exists() and _leftovers(tmp_path) == []
 
 
@@ -340,9 +372,9 @@ def test_subgraph_initializers_round_trip(tmp_path, rng):
     )
     source = tmp_path / "if.onnx"
     _save_external(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), source, "if.bin")
-    loaded = io.load(source)
+    loaded = modelio.load(source)
     out = tmp_path / "if_out.onnx"
-    io.save(loaded, out)
+    modelio.save(loaded, out)
     session = ort.InferenceSession(str(out), providers=["CPUExecutionProvider"])
     x = rng.standard_normal((2, 8)).astype(np.float32)
     for cond, w in ((True, w_then), (False, w_else)):
@@ -363,13 +395,13 @@ def _assert_one_line(excinfo, *fragments: str) -> None:
 
 def test_missing_file(tmp_path):
     with pytest.raises(FlashNormError) as excinfo:
-        io.load(tmp_path / "nope.onnx")
+        modelio.load(tmp_path / "nope.onnx")
     _assert_one_line(excinfo, "nope.onnx", "does not exist")
 
 
 def test_directory_instead_of_file(tmp_path):
     with pytest.raises(FlashNormError) as excinfo:
-        io.load(tmp_path)
+        modelio.load(tmp_path)
     _assert_one_line(excinfo, "not a file")
 
 
@@ -378,7 +410,7 @@ def test_not_an_onnx_file(tmp_path, content):
     path = tmp_path / "junk.onnx"
     path.write_bytes(content)
     with pytest.raises(FlashNormError) as excinfo:
-        io.load(path)
+        modelio.load(path)
     _assert_one_line(excinfo, "junk.onnx")
     assert "not an ONNX model" in str(excinfo.value) or "not a valid ONNX model" in str(excinfo.value)
 
@@ -392,7 +424,7 @@ def test_checker_rejects_model(tmp_path):
     path = tmp_path / "invalid.onnx"
     path.write_bytes(helper.make_model(graph).SerializeToString())
     with pytest.raises(FlashNormError) as excinfo:
-        io.load(path)
+        modelio.load(path)
     _assert_one_line(excinfo, "invalid.onnx", "not a valid ONNX model", "undefined_weight")
 
 
@@ -407,14 +439,14 @@ def test_read_interface_lists_what_callers_feed_without_reading_weights(external
     # Older exporters also list initializers among the graph inputs; they are not fed.
     model.graph.input.append(helper.make_tensor_value_info("eps", TensorProto.FLOAT, []))
     source.write_bytes(model.SerializeToString())
-    interface = io.read_interface(source)
+    interface = modelio.read_interface(source)
     assert interface.inputs == (model.graph.input[0],)
     assert interface.outputs == tuple(model.graph.output)
     assert [value.name for value in interface.inputs] == ["x"]
     assert [value.name for value in interface.outputs] == ["y", "z"]
-    assert interface.metadata == {"source": "tests/test_io.py"}
+    assert interface.metadata == {"source": "tests/test_modelio.py"}
     with pytest.raises(FlashNormError) as excinfo:
-        io.read_interface(source.with_name("absent.onnx"))
+        modelio.read_interface(source.with_name("absent.onnx"))
     _assert_one_line(excinfo, "absent.onnx", "does not exist")
 
 
@@ -423,7 +455,7 @@ def test_read_interface_of_a_truncated_inline_model(tmp_path, rng):
     path = tmp_path / "cut.onnx"
     path.write_bytes(data[: len(data) * 2 // 3])
     with pytest.raises(FlashNormError) as excinfo:
-        io.read_interface(path)
+        modelio.read_interface(path)
     _assert_one_line(excinfo, "cut.onnx", "not an ONNX model")
 
 
@@ -431,7 +463,7 @@ def test_missing_external_data(external_model):
     source, _ = external_model
     source.with_name("weights.bin").unlink()
     with pytest.raises(FlashNormError) as excinfo:
-        io.load(source)
+        modelio.load(source)
     _assert_one_line(excinfo, "weights.bin")
 
 
@@ -440,7 +472,7 @@ def test_truncated_external_data(external_model):
     data = source.with_name("weights.bin")
     os.truncate(data, data.stat().st_size // 2)
     with pytest.raises(FlashNormError) as excinfo:
-        io.load(source)
+        modelio.load(source)
     _assert_one_line(excinfo, "weights.bin", "truncated")
 
 
@@ -451,22 +483,22 @@ def test_unreadable_external_data(external_model, monkeypatch):
     # chmod alone does not stop root, so deny read access the way the OS would report it.
     monkeypatch.setattr(os, "access", lambda p, mode: False if Path(p) == data else real_access(p, mode))
     with pytest.raises(FlashNormError) as excinfo:
-        io.load(source)
+        modelio.load(source)
     _assert_one_line(excinfo, "weights.bin", "not readable")
 
 
 def test_save_into_missing_directory(external_model, tmp_path):
     source, _ = external_model
-    graph = io.load(source)
+    graph = modelio.load(source)
     with pytest.raises(FlashNormError) as excinfo:
-        io.save(graph, tmp_path / "no" / "such" / "dir" / "m.onnx")
+        modelio.save(graph, tmp_path / "no" / "such" / "dir" / "m.onnx")
     _assert_one_line(excinfo, "does not exist")
 
 
 def test_derived_values_are_computed_while_saving(external_model, tmp_path, rng):
     """A pass describes W* = diag(g)·W without computing it; save computes, writes, frees."""
     source, weights = external_model
-    graph = io.load(source)
+    graph = modelio.load(source)
     gain = rng.uniform(0.5, 2.0, HIDDEN)
     calls = {"n": 0}
 
@@ -476,7 +508,7 @@ def test_derived_values_are_computed_while_saving(external_model, tmp_path, rng)
 
     for name in ("w_up", "w_half"):
         weight = _constant(graph, name)
-        folded = gs.Constant(f"{name}.folded", io.DerivedValues(weight, fold))
+        folded = gs.Constant(f"{name}.folded", modelio.DerivedValues(weight, fold))
         assert folded.shape == list(weights[name].shape) and folded.dtype == weights[name].dtype
         for node in list(weight.outputs):
             node.inputs[node.inputs.index(weight)] = folded
@@ -484,30 +516,30 @@ def test_derived_values_are_computed_while_saving(external_model, tmp_path, rng)
     # A tiny derived tensor (kept inside the model) and a derived tensor of a new dtype.
     eps = _constant(graph, "eps")
     eps_node = eps.outputs[0]
-    eps_node.inputs[eps_node.inputs.index(eps)] = gs.Constant("eps.derived", io.DerivedValues(eps, lambda e: e * 2))
+    eps_node.inputs[eps_node.inputs.index(eps)] = gs.Constant("eps.derived", modelio.DerivedValues(eps, lambda e: e * 2))
 
     out = tmp_path / "derived.onnx"
-    io.save(graph, out)
+    modelio.save(graph, out)
     assert calls["n"] == 2
-    assert isinstance(_constant(graph, "w_up.folded")._values, io.ExternalValues), "rebound to the saved data"
+    assert isinstance(stored_values(_constant(graph, "w_up.folded")), modelio.ExternalValues), "rebound to the saved data"
 
     expected = dict(weights, w_up=fold(weights["w_up"]), w_half=fold(weights["w_half"]))
     calls["n"] = 0
-    saved = io.load(out)
+    saved = modelio.load(out)
     np.testing.assert_array_equal(_constant(saved, "w_up.folded").values, expected["w_up"])
     np.testing.assert_array_equal(_constant(saved, "w_half.folded").values, expected["w_half"])
     np.testing.assert_array_equal(_constant(saved, "eps.derived").values, np.float32(2e-5))
     assert calls["n"] == 0
 
     inline = tmp_path / "derived_inline.onnx"
-    io.save(graph, inline, external_data=False)
-    np.testing.assert_array_equal(_constant(io.load(inline), "w_up.folded").values, expected["w_up"])
+    modelio.save(graph, inline, external_data=False)
+    np.testing.assert_array_equal(_constant(modelio.load(inline), "w_up.folded").values, expected["w_up"])
 
 
 def test_derived_values_check_their_declared_shape(external_model):
     source, _ = external_model
-    graph = io.load(source)
-    bad = io.DerivedValues(_constant(graph, "w_up"), lambda w: w.T)
+    graph = modelio.load(source)
+    bad = modelio.DerivedValues(_constant(graph, "w_up"), lambda w: w.T)
     with pytest.raises(ValueError, match="declared"):
         bad.load()
 
@@ -521,8 +553,8 @@ def test_copy_without_kernel_support(external_model, monkeypatch, rng):
 
     monkeypatch.setattr(os, "copy_file_range", refuse, raising=False)
     out = source.with_name("fallback.onnx")
-    io.save(io.load(source), out)
-    saved = io.load(out)
+    modelio.save(modelio.load(source), out)
+    saved = modelio.load(out)
     for name, values in weights.items():
         np.testing.assert_array_equal(_constant(saved, name).values, values)
 
@@ -542,7 +574,7 @@ def test_raw_data_size_must_match_shape(tmp_path, size):
     weight = TensorProto(name="W", dims=[4, 4], data_type=TensorProto.FLOAT, raw_data=b"\x01" * size)
     path.write_bytes(_single_matmul(weight).SerializeToString())
     with pytest.raises(FlashNormError) as excinfo:
-        io.load(path)
+        modelio.load(path)
     _assert_one_line(excinfo, "short.onnx", "'W'", f"{size} bytes", "need 64")
 
 
@@ -553,7 +585,7 @@ def test_external_data_must_stay_beside_the_model(tmp_path, location):
     weight.external_data.add(key="location", value=location)
     path.write_bytes(_single_matmul(weight).SerializeToString())
     with pytest.raises(FlashNormError) as excinfo:
-        io.load(path)
+        modelio.load(path)
     _assert_one_line(excinfo, location, "relative path")
 
 
@@ -561,15 +593,15 @@ def test_refuses_to_replace_data_a_derived_tensor_reads(tmp_path, rng):
     source = tmp_path / "a.onnx"
     weight = numpy_helper.from_array(rng.standard_normal((4, 4)).astype(np.float32), "W")
     onnx.save(_single_matmul(weight), str(source), save_as_external_data=True, location="b.onnx.data", size_threshold=0)
-    graph = io.load(source)
+    graph = modelio.load(source)
     w = _constant(graph, "W")
     node = w.outputs[0]
-    node.inputs[1] = gs.Constant("W.scaled", io.DerivedValues(w, lambda values: values * 2))
-    assert not any(isinstance(c._values, io.ExternalValues) for c in graph.tensors().values() if isinstance(c, gs.Constant))
+    node.inputs[1] = gs.Constant("W.scaled", modelio.DerivedValues(w, lambda values: values * 2))
+    assert not any(isinstance(stored_values(c), modelio.ExternalValues) for c in graph.tensors().values() if isinstance(c, gs.Constant))
     with pytest.raises(FlashNormError, match="b.onnx.data"):
-        io.save(graph, tmp_path / "b.onnx")
-    io.save(graph, tmp_path / "c.onnx")
-    np.testing.assert_array_equal(_constant(io.load(tmp_path / "c.onnx"), "W.scaled").values,
+        modelio.save(graph, tmp_path / "b.onnx")
+    modelio.save(graph, tmp_path / "c.onnx")
+    np.testing.assert_array_equal(_constant(modelio.load(tmp_path / "c.onnx"), "W.scaled").values,
                                   numpy_helper.to_array(weight) * 2)
 
 
@@ -579,8 +611,8 @@ def test_written_files_get_ordinary_permissions(external_model, tmp_path):
     os.umask(mask)
     source, _ = external_model
     out = tmp_path / "perm.onnx"
-    io.save(io.load(source), out)
-    with io.atomic_write(tmp_path / "report.json", "w") as handle:
+    modelio.save(modelio.load(source), out)
+    with files.atomic_write(tmp_path / "report.json", "w") as handle:
         handle.write("{}")
     for path in (out, out.with_name("perm.onnx.data"), tmp_path / "report.json"):
         assert path.stat().st_mode & 0o777 == 0o666 & ~mask, path
@@ -592,7 +624,7 @@ def test_truncated_inline_model(tmp_path, rng, keep):
     data = _model(_weights(rng)).SerializeToString()
     path.write_bytes(data[: int(len(data) * keep)])
     with pytest.raises(FlashNormError) as excinfo:
-        io.load(path)
+        modelio.load(path)
     _assert_one_line(excinfo, "cut.onnx", "not an ONNX model")
 
 
@@ -601,14 +633,14 @@ def test_inline_model_is_parsed_exactly(tmp_path, rng):
     model = _model(_weights(rng))
     path = tmp_path / "exact.onnx"
     path.write_bytes(model.SerializeToString())
-    assert io._parse_model(path) == onnx.load(str(path))
+    assert loading._parse_model(path) == onnx.load(str(path))
 
 
 _PEAK_SCRIPT = """
 import sys
 import numpy as np
 import onnx_graphsurgeon as gs
-from flashnorm import io
+from flashnorm import modelio
 
 def peak_mb():
     with open("/proc/self/status") as status:
@@ -616,12 +648,12 @@ def peak_mb():
 
 source, destination, derived = sys.argv[1], sys.argv[2], sys.argv[3] == "derived"
 before = peak_mb()
-graph = io.load(source)
+graph = modelio.load(source)
 if derived:
     weight = graph.tensors()["w0"]
     node = weight.outputs[0]
-    node.inputs[1] = gs.Constant("w0.scaled", io.DerivedValues(weight, lambda w: np.multiply(w, 2, out=w)))
-io.save(graph, destination)
+    node.inputs[1] = gs.Constant("w0.scaled", modelio.DerivedValues(weight, lambda w: np.multiply(w, 2, out=w)))
+modelio.save(graph, destination)
 print(peak_mb() - before)
 """
 
@@ -662,7 +694,7 @@ def test_external_save_holds_at_most_one_tensor(tmp_path, rng, derived):
     growth_mb = float(result.stdout.split()[-1])
     limit = 1.5 * tensor_mb if derived else 0.5 * tensor_mb
     assert growth_mb < limit, f"peak grew by {growth_mb:.1f} MB (one tensor is {tensor_mb:.0f} MB)"
-    saved = io.load(tmp_path / "out.onnx")
+    saved = modelio.load(tmp_path / "out.onnx")
     scale = 2 if derived else 1
     name = "w0.scaled" if derived else "w0"
     expected = np.fromfile(data, dtype=np.float32, count=int(np.prod(shape))).reshape(shape) * scale
@@ -675,12 +707,12 @@ def test_derived_values_may_work_in_place(tmp_path, rng):
     original = rng.standard_normal((8, 16)).astype(np.float32)
     source = tmp_path / "inplace.onnx"
     onnx.save(_single_matmul_shaped(original), str(source))
-    graph = io.load(source)
+    graph = modelio.load(source)
     lazy = _constant(graph, "W")
     in_memory = gs.Constant("M", original.copy())
-    doubled = gs.Constant("D", io.DerivedValues(lazy, lambda w: np.multiply(w, 2, out=w)))
+    doubled = gs.Constant("D", modelio.DerivedValues(lazy, lambda w: np.multiply(w, 2, out=w)))
     for constant in (lazy, in_memory, doubled):
-        derived = io.DerivedValues(constant, lambda w: np.multiply(w, 3, out=w))
+        derived = modelio.DerivedValues(constant, lambda w: np.multiply(w, 3, out=w))
         factor = 6 if constant is doubled else 3
         np.testing.assert_array_equal(derived.load(), original * factor)
         np.testing.assert_array_equal(derived.load(), original * factor)  # twice: same result
@@ -721,9 +753,9 @@ def test_onnxruntime_optimized_model_loads(tmp_path, rng):
     with pytest.raises(onnx.checker.ValidationError):
         onnx.checker.check_model(model)
 
-    graph = io.load(source)
+    graph = modelio.load(source)
     assert [(n.op, n.domain or "") for n in graph.nodes][0] == ("SimplifiedLayerNormalization", "")
-    io.save(graph, copy)
+    modelio.save(graph, copy)
     x = rng.standard_normal((3, hidden)).astype(np.float32)
     want = ort.InferenceSession(str(source), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
     got = ort.InferenceSession(str(copy), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]

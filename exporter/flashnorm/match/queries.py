@@ -1,8 +1,9 @@
-"""Reading constant values out of a graph, whatever way the exporter stored them.
+"""Graph queries every matcher and pass shares: who writes a tensor, what constant value it
+holds, which initializer stores it, what dtype it has.
 
 Exporters spell one constant many ways: an initializer, a `Constant` node, a `Cast` of an
 initializer (an fp32 gain fed to an fp16 Mul), `Add(w, 1)` (Gemma's 1+w gain). Matchers and
-passes ask one question — "is this tensor a constant, and what is its value?" — here.
+passes ask "is this tensor a constant, what is its value, and where is it stored?" here.
 """
 
 from __future__ import annotations
@@ -12,6 +13,9 @@ from typing import Optional
 import numpy as np
 import onnx
 import onnx_graphsurgeon as gs
+from onnx_graphsurgeon.ir.tensor import LazyValues
+
+from flashnorm.modelio.values import stored_values
 
 # Ops whose output is a constant when all their inputs are, evaluated in numpy in the
 # tensor's own dtype (so that Cast, and the dtype of the result, are exact).
@@ -51,12 +55,37 @@ def through_transpose(tensor: gs.Tensor, where: str, error: type[Exception]) -> 
     return source.inputs[0], source
 
 
+def stored_initializer(tensor: gs.Tensor, through: frozenset[str] = frozenset({"Cast", "Identity"}),
+                       depth: int = 4) -> Optional[gs.Constant]:
+    """The initializer whose values `tensor` carries, followed back through up to `depth` nodes
+    of the ops in `through`; None when another node (or a graph input) is in the way."""
+    for _ in range(depth):
+        if isinstance(tensor, gs.Constant):
+            return tensor
+        node = producer(tensor)
+        if node is None or node.op not in through:
+            return None
+        tensor = node.inputs[0]
+    return None
+
+
+def holding_constant(tensor: gs.Tensor) -> Optional[gs.Constant]:
+    """The constant that holds `tensor`'s values: the tensor itself (an initializer) or a
+    Constant node's value; None otherwise."""
+    if isinstance(tensor, gs.Constant):
+        return tensor
+    node = producer(tensor)
+    if node is not None and node.op == "Constant" and isinstance(node.attrs.get("value"), gs.Constant):
+        return node.attrs["value"]
+    return None
+
+
 def constant_value(tensor: Optional[gs.Tensor], depth: int = 0) -> Optional[np.ndarray]:
     """The value of `tensor` if it is computable from constants alone, else None."""
     if tensor is None or depth > _MAX_DEPTH:
         return None
     if isinstance(tensor, gs.Constant):
-        return np.asarray(tensor.values)
+        return constant_array(tensor)
     node = producer(tensor)
     if node is None:
         return None
@@ -75,6 +104,16 @@ def constant_value(tensor: Optional[gs.Tensor], depth: int = 0) -> Optional[np.n
         result = _ELEMENTWISE[node.op](left, right)
         return np.asarray(result).astype(np.result_type(left, right))
     return None
+
+
+def constant_array(constant: gs.Constant) -> np.ndarray:
+    """A constant's values in its own dtype, bfloat16 included (through ml_dtypes), without
+    caching them on the constant: onnx-graphsurgeon's own loader warns on every bfloat16
+    tensor that NumPy lacks the type, although onnx hands it an ml_dtypes array."""
+    values = stored_values(constant)
+    if type(values) is LazyValues:  # an initializer as onnx-graphsurgeon imported it
+        return np.asarray(onnx.numpy_helper.to_array(values.tensor))
+    return values.load() if isinstance(values, LazyValues) else np.asarray(values)
 
 
 def _constant_node_value(node: gs.Node) -> Optional[np.ndarray]:

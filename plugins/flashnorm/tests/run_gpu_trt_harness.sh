@@ -3,7 +3,7 @@
 # nvcc there, then run the harness through the lean runtime's plugin registry, CPU and GPU
 # parts, both loading routes. Logs go to $OUT (or ./out).
 #
-#   LEAN_WHEEL=.carry/trtlean/tensorrt_lean_cu13_libs-*.whl plugins/flashnorm/trt/harness/run_gpu.sh
+#   LEAN_WHEEL=.carry/trtlean/tensorrt_lean_cu13_libs-*.whl plugins/flashnorm/tests/run_gpu_trt_harness.sh
 set -uo pipefail
 OUT="${OUT:-$PWD/out}"
 mkdir -p "$OUT"
@@ -22,7 +22,7 @@ cmake -S . -B "$BUILD" -DCMAKE_BUILD_TYPE=Release -DCMAKE_CUDA_ARCHITECTURES=90-
   | grep -E "FlashNorm|Error|error" || true
 cmake --build "$BUILD" -j "$(nproc)" --target flashnorm_trt_harness 2>&1 | grep -E "error|warning|Built target" || true
 PLUGIN="$BUILD/lib/libflashnorm_plugin.so"
-HARNESS="$BUILD/bin/flashnorm_trt_harness"
+HARNESS="$BUILD/plugins/flashnorm/tests/flashnorm_trt_harness"
 [ -x "$HARNESS" ] || { echo "build failed"; exit 1; }
 readelf -d "$PLUGIN" | grep -E "NEEDED|RUNPATH"
 nm -D --defined-only "$PLUGIN"

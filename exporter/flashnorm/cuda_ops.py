@@ -1,7 +1,19 @@
-"""Python binding of the FlashNorm kernel library (``libflashnorm.so``, C ABI in
-``plugins/flashnorm/include/flashnorm/flashnorm.h``).
+"""The PyTorch binding of the FlashNorm CUDA library (``libflashnorm.so``, C ABI in
+``plugins/flashnorm/include/flashnorm/flashnorm.h``; the kernels are ``plugins/flashnorm/kernels/``).
 
     y_i = (x · W*)[:, cols_i] ⊙ rsqrt(mean(x², -1) + eps)
+
+Two ways in:
+
+- ``flashnorm_matmul(x, w, eps, splits, strategy, out=None)``: a direct ctypes call (outputs may
+  be supplied with ``out``). torch.compile cannot trace it: it breaks the graph at every call.
+- ``torch.ops.flashnorm.matmul(x, w, eps, splits, strategy)`` (also ``matmul_op``): the same call
+  registered as a PyTorch custom op, with a fake implementation for shapes, so torch.compile
+  compiles the model around it without a graph break and CUDA graphs capture it. CUDA tensors run
+  the library; CPU tensors run the same arithmetic in PyTorch (``reference_matmul``), so models
+  and tests can trace and check the op on a machine without a GPU. Under Inductor, ``"auto"``
+  keeps the library call where AUTO picks the fused kernel and becomes PyTorch ops elsewhere
+  (``inductor_form``).
 
 The library is found through the environment variable ``FLASHNORM_LIBRARY`` or, failing that,
 at ``build/plugins/flashnorm/libflashnorm.so`` under the repository root (build it with
@@ -28,10 +40,10 @@ from pathlib import Path
 
 import torch
 
+from flashnorm.contract import MAX_OUTPUTS
 from flashnorm.errors import FlashNormError
 
-MAX_OUTPUTS = 8
-STRATEGIES = {"auto": 0, "two_stream": 1, "fused": 2, "prenorm": 3}
+STRATEGIES = {"auto": 0, "two_stream": 1, "fused": 2, "prenorm": 3, "epilogue_scale": 4}
 _STRATEGY_NAMES = {value: name for name, value in STRATEGIES.items()}
 _DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 _REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -99,6 +111,8 @@ def _load() -> ctypes.CDLL:
         lib.flashnorm_testing_set_side_delay.restype = None
         lib.flashnorm_testing_set_fused_tuning.argtypes = [ctypes.c_void_p, ctypes.c_int32, ctypes.c_int32]
         lib.flashnorm_testing_set_fused_tuning.restype = ctypes.c_int
+        lib.flashnorm_strategy_available.argtypes = [ctypes.c_void_p, ctypes.c_int]
+        lib.flashnorm_strategy_available.restype = ctypes.c_int
         lib.flashnorm_testing_join_dropped.argtypes = []
         lib.flashnorm_testing_join_dropped.restype = ctypes.c_int
         _library = lib
@@ -184,18 +198,10 @@ def flashnorm_matmul(
     (None: one output). Returns one tensor [..., N_i] per split; ``out`` may supply them
     (contiguous, right shape, dtype and device) so that nothing is allocated for outputs.
     """
-    if x.dtype != w.dtype:
-        raise FlashNormError(f"x is {x.dtype} but w is {w.dtype}; both must have one dtype")
-    if not x.is_cuda or x.device != w.device:
-        raise FlashNormError(f"x ({x.device}) and w ({w.device}) must be on one CUDA device")
-    if w.dim() != 2 or not w.is_contiguous():
-        raise FlashNormError(f"w must be a contiguous [K, N] matrix, got shape {tuple(w.shape)}")
-    k, n = w.shape
-    if x.shape[-1] != k:
-        raise FlashNormError(f"x has {x.shape[-1]} features but w has {k} rows")
-    splits = [n] if splits is None else [int(size) for size in splits]
-    if sum(splits) != n or any(size <= 0 for size in splits):
-        raise FlashNormError(f"splits {splits} must be positive and sum to N={n}")
+    splits = _checked_splits(x, w, splits, strategy)
+    if not x.is_cuda:
+        raise FlashNormError(f"x and w are on {x.device}; flashnorm_matmul needs a CUDA device")
+    k = w.shape[0]
     lead_shape = tuple(x.shape[:-1])
     x2d = x.reshape(-1, k).contiguous()
     m = x2d.shape[0]
@@ -235,6 +241,95 @@ def flashnorm_matmul(
     return out
 
 
+def _checked_splits(x: torch.Tensor, w: torch.Tensor, splits: Sequence[int] | None, strategy: str) -> list[int]:
+    """The column counts of the outputs, after checking x, w and splits agree (any device)."""
+    if x.dtype != w.dtype:
+        raise FlashNormError(f"x is {x.dtype} but w is {w.dtype}; both must have one dtype")
+    if x.device != w.device:
+        raise FlashNormError(f"x ({x.device}) and w ({w.device}) must be on one device")
+    if w.dim() != 2 or not w.is_contiguous():
+        raise FlashNormError(f"w must be a contiguous [K, N] matrix, got shape {tuple(w.shape)}")
+    if x.dtype not in _DTYPES:
+        raise FlashNormError(f"dtype {x.dtype} is not supported; supported: float32, float16, bfloat16")
+    if strategy not in STRATEGIES:
+        raise FlashNormError(f"strategy {strategy!r} is unknown; known: {sorted(STRATEGIES)}")
+    k, n = w.shape
+    if x.dim() < 1 or x.shape[-1] != k:
+        raise FlashNormError(f"x has {x.shape[-1] if x.dim() else 'no'} features but w has {k} rows")
+    splits = [n] if splits is None else [int(size) for size in splits]
+    if not 1 <= len(splits) <= MAX_OUTPUTS:
+        raise FlashNormError(f"{len(splits)} splits requested; 1 to {MAX_OUTPUTS} are supported")
+    if sum(splits) != n or any(size <= 0 for size in splits):
+        raise FlashNormError(f"splits {splits} must be positive and sum to N={n}")
+    return splits
+
+
+def reference_matmul(x: torch.Tensor, w: torch.Tensor, eps: float, splits: Sequence[int]) -> list[torch.Tensor]:
+    """The op's arithmetic in PyTorch: fp32 accumulation and fp32 RMS, each split rounded once to
+    x's dtype (what the library's fused and two-stream strategies compute)."""
+    x32 = x.float()
+    inv_rms = torch.rsqrt(x32.pow(2).mean(dim=-1, keepdim=True) + eps)
+    y = (x32 @ w.float()) * inv_rms
+    return [part.to(x.dtype).contiguous() for part in y.split(list(splits), dim=-1)]
+
+
+def _run_op(x: torch.Tensor, w: torch.Tensor, eps: float, splits: list[int], strategy: str) -> list[torch.Tensor]:
+    splits = _checked_splits(x, w, splits, strategy)
+    if x.is_cuda:
+        return flashnorm_matmul(x, w, eps, splits, strategy)
+    return reference_matmul(x, w, eps, splits)
+
+
+def _op_shapes(x: torch.Tensor, w: torch.Tensor, eps: float, splits: list[int], strategy: str) -> list[torch.Tensor]:
+    splits = _checked_splits(x, w, splits, strategy)
+    return [x.new_empty(*x.shape[:-1], size) for size in splits]
+
+
+matmul_op = torch.library.custom_op("flashnorm::matmul", _run_op, mutates_args=())
+matmul_op.__doc__ = """``torch.ops.flashnorm.matmul(x, w, eps, splits, strategy)``: one output per split,
+``(x · w)[..., split_i] ⊙ rsqrt(mean(x², -1) + eps)``, on the current stream (module docstring)."""
+matmul_op.register_fake(_op_shapes)
+# The same call under another name, which Inductor never rewrites: what ``inductor_form`` keeps.
+library_op = torch.library.custom_op("flashnorm::library_matmul", _run_op, mutates_args=())
+library_op.register_fake(_op_shapes)
+
+
+def inductor_form(x: torch.Tensor, w: torch.Tensor, eps: float, splits: list[int], strategy: str) -> list[torch.Tensor]:
+    """What Inductor compiles ``torch.ops.flashnorm.matmul`` to: the library call
+    (``flashnorm::library_matmul``) where AUTO picks the fused kernel, where the strategy is forced,
+    on the CPU, or where the shape is not known at compile time; elsewhere ``prenorm_form``.
+
+    Why: beyond the fused kernel's rows the library's strategies (two_stream, prenorm) lose to what
+    Inductor makes of the prenorm arithmetic, the norm fused into the kernel that produces x and the
+    GEMM on cuBLAS (docs/BENCHMARKS.md, "End-to-end decode step"), until the library has a GEMM with
+    the row scale in its epilogue."""
+    keep = strategy != "auto" or x.device.type == "cpu" or not all(isinstance(d, int) for d in x.shape)
+    rows = x.numel() // x.shape[-1] if not keep else 0
+    if keep or rows == 0 or resolve_strategy(rows, x.shape[-1], w.shape[1], x.dtype, splits) == "fused":
+        return torch.ops.flashnorm.library_matmul(x, w, eps, splits, strategy)
+    return prenorm_form(x, w, eps, splits)
+
+
+def prenorm_form(x: torch.Tensor, w: torch.Tensor, eps: float, splits: Sequence[int]) -> list[torch.Tensor]:
+    """The prenorm strategy's arithmetic in PyTorch ops: x̂ = x ⊙ rsqrt(mean(x²)+eps) in fp32,
+    rounded to x's dtype, then x̂·W*; one contiguous output per split."""
+    x32 = x.float()
+    normalized = (x32 * torch.rsqrt(x32.pow(2).mean(dim=-1, keepdim=True) + eps)).to(x.dtype)
+    y = normalized @ w
+    if len(splits) == 1:
+        return [y]
+    return [part.contiguous() for part in y.split(list(splits), dim=-1)]
+
+
+def _register_inductor_form() -> None:
+    from torch._inductor.decomposition import register_decomposition
+
+    register_decomposition(torch.ops.flashnorm.matmul.default)(inductor_form)
+
+
+_register_inductor_form()
+
+
 def _cuda_device(device: torch.device | int | None) -> torch.device:
     if device is None:
         return torch.device("cuda", torch.cuda.current_device())
@@ -249,8 +344,8 @@ def warm_up(device: torch.device | int | None = None) -> None:
 
 def set_side_delay(cycles: int, device: torch.device | int | None = None) -> None:
     """Test hook: the side stream's work of this thread's context (two-stream's RMS reduction,
-    prenorm's narrow GEMMs) waits `cycles` GPU clock cycles first, so that a missing join would
-    read a stale buffer."""
+    prenorm's narrow GEMMs) and epilogue-scale's reduction (after it let the GEMM start) wait
+    `cycles` GPU clock cycles first, so that a missing join would read a stale buffer."""
     _load().flashnorm_testing_set_side_delay(_context(_cuda_device(device)), int(cycles))
 
 
@@ -263,6 +358,14 @@ def set_fused_tuning(strip_cols: int = 0, cluster_size: int = 0, device: torch.d
     status = lib.flashnorm_testing_set_fused_tuning(context, int(strip_cols), int(cluster_size))
     if status != 0:
         raise FlashNormError(lib.flashnorm_context_last_error(context).decode())
+
+
+def strategy_available(strategy: str, device: torch.device | int | None = None) -> bool:
+    """Whether `strategy` can run on `device` with this library build (``"epilogue_scale"`` needs
+    the CUTLASS headers at build time and a compute capability 9.0 device; the others always can)."""
+    if strategy not in STRATEGIES:
+        raise FlashNormError(f"strategy {strategy!r} is unknown; known: {sorted(STRATEGIES)}")
+    return bool(_load().flashnorm_strategy_available(_context(_cuda_device(device)), STRATEGIES[strategy]))
 
 
 def join_dropped() -> bool:

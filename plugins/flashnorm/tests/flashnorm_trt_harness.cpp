@@ -39,12 +39,23 @@ namespace
 {
 using namespace nvinfer1;
 
-char const* const kName = "FlashNormMatMul";
+char const* const kNamePrefix = "FlashNormMatMul";
 char const* const kVersion = "1";
 char const* const kNamespace = "flashnorm";
 
 int gFailures = 0;
 int gChecks = 0;
+
+/* The plugin name for `outputs` outputs: FlashNormMatMul<outputs>. */
+std::string nameFor(size_t outputs)
+{
+    return kNamePrefix + std::to_string(outputs);
+}
+
+IPluginCreatorV3One* creatorFor(IPluginRegistry* registry, size_t outputs)
+{
+    return static_cast<IPluginCreatorV3One*>(registry->getCreator(nameFor(outputs).c_str(), kVersion, kNamespace));
+}
 
 bool check(bool ok, std::string const& what)
 {
@@ -180,20 +191,25 @@ void cpuChecks(IPluginRegistry* registry)
 {
     int32_t nbCreators = 0;
     IPluginCreatorInterface* const* all = registry->getAllCreators(&nbCreators);
-    int copies = 0;
-    for (int32_t i = 0; i < nbCreators; ++i)
+    bool eachOnce = true;
+    for (size_t outputs = 1; outputs <= 8; ++outputs)
     {
-        auto* c = static_cast<IPluginCreatorV3One*>(all[i]);
-        if (std::string(all[i]->getInterfaceInfo().kind) == "PLUGIN CREATOR_V3ONE" && std::string(c->getPluginName()) == kName
-            && std::string(c->getPluginNamespace()) == kNamespace)
+        int copies = 0;
+        for (int32_t i = 0; i < nbCreators; ++i)
         {
-            ++copies;
+            auto* c = static_cast<IPluginCreatorV3One*>(all[i]);
+            if (std::string(all[i]->getInterfaceInfo().kind) == "PLUGIN CREATOR_V3ONE"
+                && std::string(c->getPluginName()) == nameFor(outputs) && std::string(c->getPluginNamespace()) == kNamespace)
+            {
+                ++copies;
+            }
         }
+        eachOnce = eachOnce && copies == 1;
     }
-    check(copies == 1, "registry holds exactly one FlashNormMatMul creator (found " + std::to_string(copies) + ")");
+    check(eachOnce, "registry holds each of FlashNormMatMul1..8 exactly once");
 
-    IPluginCreatorInterface* found = registry->getCreator(kName, kVersion, kNamespace);
-    if (!check(found != nullptr, "getCreator(FlashNormMatMul, 1, flashnorm)"))
+    IPluginCreatorInterface* found = creatorFor(registry, 3);
+    if (!check(found != nullptr, "getCreator(FlashNormMatMul3, 1, flashnorm)"))
     {
         return;
     }
@@ -228,9 +244,9 @@ void cpuChecks(IPluginRegistry* registry)
         {
             continue;
         }
-        check(std::string(core->getPluginName()) == kName && std::string(core->getPluginVersion()) == kVersion
+        check(std::string(core->getPluginName()) == nameFor(3) && std::string(core->getPluginVersion()) == kVersion
                 && std::string(core->getPluginNamespace()) == kNamespace,
-            "core reports name FlashNormMatMul, version 1, namespace flashnorm");
+            "core reports name FlashNormMatMul3, version 1, namespace flashnorm");
         check(build->getNbOutputs() == 3, "getNbOutputs = 3 for splits 576,192,192");
 
         for (DataType type : {DataType::kFLOAT, DataType::kHALF, DataType::kBF16})
@@ -298,7 +314,7 @@ void cpuChecks(IPluginRegistry* registry)
         int32_t splits[2] = {1536, 1536};
         PluginField list[2] = {{"eps", &eps, PluginFieldType::kFLOAT32, 1}, {"splits", splits, PluginFieldType::kINT32, 2}};
         PluginFieldCollection fc{2, list};
-        std::unique_ptr<IPluginV3> plugin(creator->createPlugin("layer0.mlp", &fc, TensorRTPhase::kBUILD));
+        std::unique_ptr<IPluginV3> plugin(creatorFor(registry, 2)->createPlugin("layer0.mlp", &fc, TensorRTPhase::kBUILD));
         SerializedFields s = plugin ? readSerialized(capability<IPluginV3OneRuntime>(plugin.get(), PluginCapabilityType::kRUNTIME)
                                                          ->getFieldsToSerialize())
                                     : SerializedFields{};
@@ -310,7 +326,7 @@ void cpuChecks(IPluginRegistry* registry)
         int64_t splits64[2] = {1536, 1536};
         PluginField list[2] = {{"eps", &eps, PluginFieldType::kFLOAT32, 1}, {"splits", splits64, PluginFieldType::kINT64, 2}};
         PluginFieldCollection fc{2, list};
-        std::unique_ptr<IPluginV3> plugin(creator->createPlugin("int64", &fc, TensorRTPhase::kBUILD));
+        std::unique_ptr<IPluginV3> plugin(creatorFor(registry, 2)->createPlugin("int64", &fc, TensorRTPhase::kBUILD));
         check(plugin != nullptr, "INT64 splits (Python-built fields) are accepted");
     }
     {
@@ -325,11 +341,14 @@ void cpuChecks(IPluginRegistry* registry)
         std::unique_ptr<IPluginV3> plugin(creator->createPlugin("zero", &bad.collection, TensorRTPhase::kBUILD));
         check(plugin == nullptr, "createPlugin refuses a zero split");
         Fields badStrategy(1e-5F, {576}, 7);
-        std::unique_ptr<IPluginV3> plugin2(creator->createPlugin("strategy", &badStrategy.collection, TensorRTPhase::kBUILD));
+        std::unique_ptr<IPluginV3> plugin2(creatorFor(registry, 1)->createPlugin("strategy", &badStrategy.collection, TensorRTPhase::kBUILD));
         check(plugin2 == nullptr, "createPlugin refuses strategy 7");
         Fields negativeEps(-1.0F, {576}, 0);
-        std::unique_ptr<IPluginV3> plugin3(creator->createPlugin("eps", &negativeEps.collection, TensorRTPhase::kBUILD));
+        std::unique_ptr<IPluginV3> plugin3(creatorFor(registry, 1)->createPlugin("eps", &negativeEps.collection, TensorRTPhase::kBUILD));
         check(plugin3 == nullptr, "createPlugin refuses a negative eps");
+        Fields twoSplits(1e-5F, {576, 192}, 0);
+        std::unique_ptr<IPluginV3> plugin4(creator->createPlugin("arity", &twoSplits.collection, TensorRTPhase::kBUILD));
+        check(plugin4 == nullptr, "FlashNormMatMul3 refuses splits of 2 sizes");
     }
 }
 
@@ -564,9 +583,14 @@ struct Attached
     std::vector<PluginTensorDesc> in, out;
 };
 
-bool attach(IPluginCreatorV3One* creator, Problem const& p, int32_t strategy, DummyResourceContext& context, Attached& a)
+bool attach(IPluginRegistry* registry, Problem const& p, int32_t strategy, DummyResourceContext& context, Attached& a)
 {
     Fields fields(p.eps, p.splits, strategy);
+    IPluginCreatorV3One* creator = creatorFor(registry, p.splits.size());
+    if (creator == nullptr)
+    {
+        return false;
+    }
     std::unique_ptr<IPluginV3> base(creator->createPlugin("harness", &fields.collection, TensorRTPhase::kRUNTIME));
     if (base == nullptr)
     {
@@ -616,7 +640,7 @@ std::string label(Problem const& p, int32_t strategy)
         + " strategy=" + std::to_string(strategy);
 }
 
-void gpuChecks(IPluginCreatorV3One* creator, std::mt19937_64& rng)
+void gpuChecks(IPluginRegistry* registry, std::mt19937_64& rng)
 {
     int device = 0;
     cudaDeviceProp prop{};
@@ -650,7 +674,7 @@ void gpuChecks(IPluginCreatorV3One* creator, std::mt19937_64& rng)
                 {
                     Problem p{c.m, 576, splits, type, 1e-5F};
                     Attached a;
-                    if (!check(attach(creator, p, strategy, context, a), "attachToContext + onShapeChange " + label(p, strategy)))
+                    if (!check(attach(registry, p, strategy, context, a), "attachToContext + onShapeChange " + label(p, strategy)))
                     {
                         continue;
                     }
@@ -676,7 +700,7 @@ void gpuChecks(IPluginCreatorV3One* creator, std::mt19937_64& rng)
     {
         Problem p{strategy == 2 ? 4 : 64, 576, {576, 192, 192}, DataType::kHALF, 1e-5F};
         Attached a;
-        if (!check(attach(creator, p, strategy, context, a), "attach for graph capture " + label(p, strategy)))
+        if (!check(attach(registry, p, strategy, context, a), "attach for graph capture " + label(p, strategy)))
         {
             continue;
         }
@@ -721,6 +745,7 @@ void gpuChecks(IPluginCreatorV3One* creator, std::mt19937_64& rng)
     {
         Problem p{16, 576, {576, 192, 192}, DataType::kHALF, 1e-5F};
         Fields fields(p.eps, p.splits, 0);
+        IPluginCreatorV3One* creator = creatorFor(registry, p.splits.size());
         std::unique_ptr<IPluginV3> plugin(creator->createPlugin("timing", &fields.collection, TensorRTPhase::kBUILD));
         Attached a;
         a.runtime = capability<IPluginV3OneRuntime>(plugin.get(), PluginCapabilityType::kRUNTIME);
@@ -752,7 +777,7 @@ void gpuChecks(IPluginCreatorV3One* creator, std::mt19937_64& rng)
         Problem empty{0, 576, {1536, 1536}, DataType::kBF16, 1e-5F};
         Attached e;
         Instance none(empty);
-        bool emptyOk = attach(creator, empty, 0, context, e) && none.allocate(e.workspace);
+        bool emptyOk = attach(registry, empty, 0, context, e) && none.allocate(e.workspace);
         check(emptyOk && enqueue(e, none, stream) == 0 && CUDA_OK(cudaStreamSynchronize(stream)),
             "enqueue with zero rows (x[1,0,576]) succeeds and writes nothing");
     }
@@ -763,7 +788,7 @@ void gpuChecks(IPluginCreatorV3One* creator, std::mt19937_64& rng)
     {
         Problem p{256, 576, {1536, 1536}, DataType::kBF16, 1e-5F};
         Attached a0, a1;
-        bool ok = attach(creator, p, strategy, context, a0) && attach(creator, p, strategy, context, a1);
+        bool ok = attach(registry, p, strategy, context, a0) && attach(registry, p, strategy, context, a1);
         Instance i0(p), i1(p);
         cudaStream_t s0 = nullptr, s1 = nullptr;
         ok = ok && i0.allocate(a0.workspace) && i1.allocate(a1.workspace) && i0.uploadW(rng) && i1.uploadW(rng)
@@ -868,20 +893,20 @@ int main(int argc, char** argv)
 
     cpuChecks(registry);
 
-    auto* creator = static_cast<IPluginCreatorV3One*>(registry->getCreator(kName, kVersion, kNamespace));
-    if (gpu && creator != nullptr)
+    if (gpu && creatorFor(registry, 3) != nullptr)
     {
         std::random_device rd;
         uint64_t const seed = (static_cast<uint64_t>(rd()) << 32) ^ rd();
         std::printf("INFO GPU checks, seed %llu\n", static_cast<unsigned long long>(seed));
         std::mt19937_64 rng(seed);
-        gpuChecks(creator, rng);
+        gpuChecks(registry, rng);
     }
 
     if (handle != nullptr)
     {
         registry->deregisterLibrary(handle);
-        check(registry->getCreator(kName, kVersion, kNamespace) == nullptr, "deregisterLibrary removes the creator");
+        check(creatorFor(registry, 1) == nullptr && creatorFor(registry, 3) == nullptr,
+            "deregisterLibrary removes the creators");
     }
     std::printf("%s: %d of %d checks passed\n", gFailures == 0 ? "OK" : "FAILED", gChecks - gFailures, gChecks);
     return gFailures == 0 ? 0 : 1;

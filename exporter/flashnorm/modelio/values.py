@@ -1,0 +1,158 @@
+"""Lazy tensor values: weights that stay on disk (`ExternalValues`) and weights computed from
+other weights only when they are saved or read (`DerivedValues`).
+
+Passes describe changed weights with `DerivedValues`; `flashnorm.modelio.saving` computes each
+one while writing it and frees it right after, so no tensor is held in memory twice.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Callable, Iterable
+
+import numpy as np
+import onnx
+import onnx.numpy_helper
+import onnx_graphsurgeon as gs
+from onnx_graphsurgeon.ir.tensor import LazyValues
+
+from flashnorm.errors import FlashNormError
+
+# Bits per element of the sub-byte types, whose raw_data is packed.
+PACKED_BITS = {
+    getattr(onnx.TensorProto, name): bits
+    for name, bits in {"INT4": 4, "UINT4": 4, "FLOAT4E2M1": 4, "INT2": 2, "UINT2": 2}.items()
+    if hasattr(onnx.TensorProto, name)
+}
+
+
+def stored_values(constant: gs.Constant) -> np.ndarray | LazyValues:
+    """A constant's values as they are stored: its array, or its `LazyValues` still unread.
+
+    onnx-graphsurgeon 0.6 has no public getter for this: `Constant.values` reads a lazy tensor
+    and keeps the array on the constant, which for a weight means holding it in memory until
+    the graph is gone. This is the one place FlashNorm reads its private `_values`; values
+    are set through the public `constant.values = ...`, which takes a `LazyValues` as it is."""
+    return constant._values
+
+
+def tensor_nbytes(data_type: int, dims: Iterable[int]) -> int | None:
+    """Bytes of `raw_data` for a tensor of this ONNX type and shape; None for strings."""
+    if data_type == onnx.TensorProto.STRING:
+        return None
+    volume = math.prod(int(d) for d in dims)
+    if data_type in PACKED_BITS:
+        return (volume * PACKED_BITS[data_type] + 7) // 8
+    try:
+        return volume * onnx.helper.tensor_dtype_to_np_dtype(data_type).itemsize
+    except (KeyError, ValueError):  # UNDEFINED or a type this onnx does not know
+        return None
+
+
+def _read_bytes(path: Path, offset: int, length: int) -> bytes:
+    try:
+        with open(path, "rb") as handle:
+            handle.seek(offset)
+            data = handle.read(length)
+    except OSError as exc:
+        raise FlashNormError(f"cannot read external data {path}: {exc.strerror}") from None
+    if len(data) != length:
+        raise FlashNormError(f"external data file {path} ends before byte {offset + length}")
+    return data
+
+
+def _inline_copy(tensor: onnx.TensorProto, raw: bytes) -> onnx.TensorProto:
+    inline = onnx.TensorProto()
+    inline.CopyFrom(tensor)
+    del inline.external_data[:]
+    inline.data_location = onnx.TensorProto.DEFAULT
+    inline.raw_data = raw
+    return inline
+
+
+class ExternalValues(LazyValues):
+    """A tensor stored in an external data file. `tensor` is its TensorProto (location,
+    offset, length; no data), `path` the resolved data file, `model` the model file that
+    refers to it. `load()` reads exactly that byte range into one NumPy array; the TensorProto
+    is never filled in, so reading a weight never leaves a second copy behind."""
+
+    def __init__(self, tensor: onnx.TensorProto, path: Path, offset: int, length: int, model: Path) -> None:
+        super().__init__(tensor)
+        self.path, self.offset, self.length, self.model = path, offset, length, model
+        self.nbytes = length
+
+    def load(self) -> np.ndarray:
+        data_type = self.tensor.data_type
+        dims = tuple(int(d) for d in self.tensor.dims)
+        if data_type in PACKED_BITS:
+            raw = _read_bytes(self.path, self.offset, self.length)
+            return np.array(onnx.numpy_helper.to_array(_inline_copy(self.tensor, raw)))
+        dtype = np.dtype(onnx.helper.tensor_dtype_to_np_dtype(data_type))
+        count = math.prod(dims)
+        try:
+            values = np.fromfile(self.path, dtype=dtype.newbyteorder("<"), count=count, offset=self.offset)
+        except OSError as exc:
+            raise FlashNormError(f"cannot read external data {self.path}: {exc.strerror}") from None
+        if values.size != count:
+            raise FlashNormError(f"external data file {self.path} ends before byte {self.offset + self.length}")
+        return values.astype(dtype, copy=False).reshape(dims)
+
+    def inline_proto(self) -> onnx.TensorProto:
+        """The tensor with its data inside (for writing it into a model file)."""
+        return _inline_copy(self.tensor, _read_bytes(self.path, self.offset, self.length))
+
+    def __str__(self) -> str:
+        return f"ExternalValues (shape={self.shape}, dtype={self.dtype}, {self.path.name}@{self.offset})"
+
+
+class DerivedValues(LazyValues):
+    """Values computed from another constant's values only when they are needed.
+
+    `DerivedValues(weight, lambda w: w * gain[:, None])` describes a changed weight without
+    computing it: `save` computes it while writing it and frees it right after, so a pass that
+    changes many large weights (fold) never holds more than one of them in memory. `load()`
+    (what `constant.values` calls) computes it too. `function` receives a fresh array of the
+    source's values, which it may modify in place, and must return an array of `shape` and
+    `dtype` (by default the source's)."""
+
+    def __init__(
+        self,
+        source: gs.Constant,
+        function: Callable[[np.ndarray], np.ndarray],
+        *,
+        shape: Iterable[int] | None = None,
+        dtype: np.dtype | None = None,
+    ) -> None:
+        # The source's current values object, not the Constant: later edits of the source
+        # (or its `.values` being loaded) do not change what this derives from.
+        self.source, self.function = stored_values(source), function
+        self.shape = list(source.shape if shape is None else shape)
+        self.dtype = np.dtype(source.dtype if dtype is None else dtype)
+        self.nbytes = math.prod(int(d) for d in self.shape) * self.dtype.itemsize
+
+    def load(self) -> np.ndarray:
+        # LazyValues.load() reads a new array every time; an in-memory source is copied so
+        # that `function` may work in place without changing it.
+        source = self.source.load() if isinstance(self.source, LazyValues) else np.array(self.source)
+        values = np.asarray(self.function(source))
+        if list(values.shape) != self.shape or values.dtype != self.dtype:
+            raise ValueError(
+                f"derived values are {values.dtype}{list(values.shape)}, declared {self.dtype}{self.shape}"
+            )
+        return values
+
+    @property
+    def tensor(self) -> onnx.TensorProto:
+        """The computed tensor, for code that exports the graph without `save`."""
+        return onnx.numpy_helper.from_array(self.load())
+
+    def __str__(self) -> str:
+        return f"DerivedValues (shape={self.shape}, dtype={self.dtype}, from {self.source})"
+
+
+def type_name(tensor: onnx.TensorProto) -> str:
+    if tensor.data_type in onnx.TensorProto.DataType.values():
+        return onnx.TensorProto.DataType.Name(tensor.data_type)
+    return str(tensor.data_type)
+

@@ -1,0 +1,104 @@
+"""The epilogue-scale strategy (one CUTLASS sm90 GEMM scaling rows and storing splits in its
+epilogue, the RMS reduction overlapped through programmatic dependent launch) against a float64
+reference: M from 1 to 4096 (both tile configurations), K and N that are multiples of 8 but not of
+the tiles, splits that cut through tiles, tiny row norms, outputs poisoned with NaN and placed so
+that pair stores are misaligned; and the shapes it refuses, with the reason."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernel_reference import TOLERANCE, cuda_ops_module, generator_from, magnitude_errors, random_inputs, reference, row_errors
+
+DTYPES = [torch.float16, torch.bfloat16]
+ROWS = [1, 2, 3, 7, 16, 64, 257, 1024, 4096]
+# (K, splits): the SmolLM2 qkv site, one split, K and N not multiples of the 64/128 tiles, splits
+# that start inside a tile, and splits of odd widths (N still a multiple of 8).
+SHAPES = [
+    (576, [576, 192, 192]),
+    (96, [64]),
+    (200, [40, 8, 16, 24]),
+    (1000, [333, 667]),
+    (264, [7, 13, 5, 7]),
+]
+
+
+def _require_epilogue_scale(cuda_ops) -> None:
+    if not cuda_ops.strategy_available("epilogue_scale"):
+        pytest.skip("epilogue_scale is not in this library build or not on this device (needs sm_90)")
+
+
+def _assert_matches(got: list[torch.Tensor], x: torch.Tensor, w: torch.Tensor, eps: float, splits, label: str) -> None:
+    for output, wanted in zip(got, torch.split(reference(x, w, eps), splits, dim=-1)):
+        worst = row_errors(output, wanted).max().item()
+        assert worst <= TOLERANCE[x.dtype], f"{label}: worst row error {worst:.3g}"
+    worst = magnitude_errors(torch.cat(got, dim=-1), x, w, eps).max().item()
+    assert worst <= TOLERANCE[x.dtype], f"{label}: worst error vs exact math {worst:.3g}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("m", ROWS)
+def test_matches_float64_reference(m, dtype, rng):
+    cuda_ops = cuda_ops_module()
+    _require_epilogue_scale(cuda_ops)
+    generator = generator_from(rng)
+    for k, splits in SHAPES:
+        eps = float(rng.choice([1e-6, 1e-5, 1e-2]))
+        x, w = random_inputs(generator, m, k, sum(splits), dtype)
+        outputs = [torch.full((m, size), float("nan"), dtype=dtype, device="cuda") for size in splits]
+        cuda_ops.flashnorm_matmul(x, w, eps, splits=splits, strategy="epilogue_scale", out=outputs)
+        _assert_matches(outputs, x, w, eps, splits, f"m={m} k={k} splits={splits} {dtype} eps={eps}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("m", [5, 300])
+def test_outputs_at_odd_addresses_and_nothing_written_around_them(m, dtype, rng):
+    """Outputs 1, 4 and 7 elements into one NaN buffer: the epilogue's pair stores must fall back
+    to single stores where a pair is not 4-byte aligned, and write nothing between the outputs."""
+    cuda_ops = cuda_ops_module()
+    _require_epilogue_scale(cuda_ops)
+    generator = generator_from(rng)
+    k, splits = 256, [64, 40, 24]
+    x, w = random_inputs(generator, m, k, sum(splits), dtype)
+    storage = torch.full((m * sum(splits) + 32,), float("nan"), dtype=dtype, device="cuda")
+    outputs, starts, start = [], [], 1
+    for size in splits:
+        starts.append(start)
+        outputs.append(storage[start : start + m * size].view(m, size))
+        start += m * size + 3
+    cuda_ops.flashnorm_matmul(x, w, 1e-5, splits=splits, strategy="epilogue_scale", out=outputs)
+    _assert_matches(outputs, x, w, 1e-5, splits, f"m={m} {dtype}")
+    written = torch.zeros(storage.numel(), dtype=torch.bool, device="cuda")
+    for begin, size in zip(starts, splits):
+        written[begin : begin + m * size] = True
+    assert storage[~written].isnan().all(), f"m={m} {dtype}: wrote outside the outputs"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    ("dtype", "k", "splits", "reason"),
+    [
+        (torch.float32, 256, [64], "fp16/bf16 only"),
+        (torch.bfloat16, 100, [64], "multiples of 8"),
+        (torch.bfloat16, 256, [37], "multiples of 8"),
+    ],
+    ids=["fp32", "k-tail", "n-tail"],
+)
+def test_refuses_what_it_cannot_run_and_auto_never_picks_it(dtype, k, splits, reason, rng):
+    from flashnorm.errors import FlashNormError
+
+    cuda_ops = cuda_ops_module()
+    _require_epilogue_scale(cuda_ops)
+    generator = generator_from(rng)
+    m = 64
+    x, w = random_inputs(generator, m, k, sum(splits), dtype)
+    with pytest.raises(FlashNormError, match=reason):
+        cuda_ops.flashnorm_matmul(x, w, 1e-5, splits=splits, strategy="epilogue_scale")
+    assert cuda_ops.resolve_strategy(m, k, sum(splits), dtype, splits) != "epilogue_scale"
+    outputs = cuda_ops.flashnorm_matmul(x, w, 1e-5, splits=splits, strategy="auto")
+    expected = torch.split(reference(x, w, 1e-5), splits, dim=-1)
+    for got, wanted in zip(outputs, expected):
+        assert row_errors(got, wanted).max().item() <= TOLERANCE[dtype]

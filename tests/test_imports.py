@@ -1,0 +1,132 @@
+"""The shape of flashnorm's imports: one direction (no cycle), and leaf modules that stay leaves."""
+
+from __future__ import annotations
+
+import ast
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import flashnorm
+
+PACKAGE_DIR = Path(flashnorm.__file__).parent
+
+
+def _modules() -> dict[str, Path]:
+    modules = {}
+    for path in PACKAGE_DIR.rglob("*.py"):
+        parts = path.relative_to(PACKAGE_DIR.parent).with_suffix("").parts
+        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        modules[name] = path
+    return modules
+
+
+def _is_type_checking(node: ast.If) -> bool:
+    test = node.test
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+    )
+
+
+def _imported(tree: ast.AST, modules: dict[str, Path]) -> set[str]:
+    """The flashnorm modules an AST imports, at module level or inside functions (lazy imports
+    are edges too); imports under `if TYPE_CHECKING:` never run and are left out."""
+    found: set[str] = set()
+
+    def visit(node: ast.AST) -> None:
+        if isinstance(node, ast.If) and _is_type_checking(node):
+            for child in node.orelse:
+                visit(child)
+            return
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name.split(".")[0] == "flashnorm":
+                    found.add(alias.name)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            if node.module.split(".")[0] == "flashnorm":
+                for alias in node.names:
+                    submodule = f"{node.module}.{alias.name}"
+                    found.add(submodule if submodule in modules else node.module)
+        for child in ast.iter_child_nodes(node):
+            visit(child)
+
+    visit(tree)
+    return {name for name in found if name in modules}
+
+
+def import_graph() -> dict[str, set[str]]:
+    modules = _modules()
+    return {name: _imported(ast.parse(path.read_text()), modules) - {name} for name, path in modules.items()}
+
+
+def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    path: list[str] = []
+
+    def visit(name: str) -> list[str] | None:
+        state[name] = 1
+        path.append(name)
+        for target in sorted(graph[name]):
+            if state.get(target) == 1:
+                return path[path.index(target):] + [target]
+            if target not in state and (found := visit(target)):
+                return found
+        path.pop()
+        state[name] = 2
+        return None
+
+    for name in sorted(graph):
+        if name not in state and (found := visit(name)):
+            return found
+    return None
+
+
+def test_the_walker_sees_real_edges():
+    graph = import_graph()
+    assert "flashnorm.modelio.values" in graph["flashnorm.passes.fold"]
+    assert "flashnorm.passes.defer" in graph["flashnorm.passes.dry_run"]  # a lazy import inside a function
+    assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+
+
+def test_no_import_cycle():
+    assert _cycle(import_graph()) is None
+
+
+def _reachable(graph: dict[str, set[str]], start: str) -> set[str]:
+    reachable, todo = set(), [start]
+    while todo:
+        name = todo.pop()
+        if name not in reachable:
+            reachable.add(name)
+            todo += graph[name]
+    return reachable
+
+
+def test_data_flows_one_way():
+    """Saving a model knows no pass; no library stage reaches the passes or the command line
+    it feeds."""
+    graph = import_graph()
+    for stage in ["flashnorm.modelio", "flashnorm.match", "flashnorm.engine", "flashnorm.serve",
+                  "flashnorm.validate", "flashnorm.export"]:
+        later = {name for name in _reachable(graph, stage)
+                 if name.startswith(("flashnorm.passes", "flashnorm.tools", "flashnorm.cli"))}
+        assert not later, f"{stage} reaches {sorted(later)}"
+
+
+def test_leaf_modules_import_only_the_standard_library():
+    """Writing a report or a plan must not load onnx, onnx-graphsurgeon or protobuf."""
+    leaves = ["flashnorm.report", "flashnorm.files", "flashnorm.contract"]
+    script = (
+        "import json, sys\n"
+        "started = set(sys.modules)\n"  # what the interpreter loads on its own (site hooks)
+        f"for name in {leaves!r}: __import__(name)\n"
+        "print(json.dumps(sorted(set(sys.modules) - started)))\n"
+    )
+    loaded = json.loads(subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                                       check=True).stdout)
+    outside = [name for name in loaded
+               if name.split(".")[0] not in sys.stdlib_module_names and name.split(".")[0] != "flashnorm"]
+    assert outside == []
+    ours = {name for name in loaded if name.split(".")[0] == "flashnorm"}
+    assert ours <= {"flashnorm", "flashnorm.errors", *leaves}
