@@ -27,7 +27,7 @@ from pathlib import Path
 
 from shapes import EPS, SITES
 
-METHODS = ("gemm", "rms_gemm", "fused", "two_stream", "prenorm")
+METHODS = ("gemm", "rms_gemm", "fused", "two_stream", "prenorm", "epilogue_scale")
 MARKER = "spin"  # PyTorch's torch.cuda._sleep kernel
 WARM_UP = "warm-up"
 METRICS = {
@@ -63,7 +63,7 @@ def profile(token_counts: list[int], site_indices: list[int], methods: list[str]
                 "gemm": lambda: torch.mm(x, w),
                 "rms_gemm": lambda: torch.mm(F.rms_norm(x, (site.k,), gain, EPS), w),
             }
-            for strategy in ("fused", "two_stream", "prenorm"):
+            for strategy in ("fused", "two_stream", "prenorm", "epilogue_scale"):
                 calls[strategy] = lambda s=strategy: cuda_ops.flashnorm_matmul(x, w, EPS, site.splits, s, out=outs)
             for method in methods:
                 calls[method]()

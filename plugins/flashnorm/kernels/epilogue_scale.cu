@@ -119,6 +119,15 @@ struct RowScaleSplitStore
         return cutlass::epilogue::fusion::detail::EmptyProducerLoadCallbacks{};
     }
 
+    // Where one column goes: the output that owns it, and the column's index there.
+    struct SplitColumn
+    {
+        Element* output;
+        int64_t width;
+        int64_t column;
+        int64_t end; // the owning split's last column + 1, in the global numbering
+    };
+
     template <class CoordTensor, class Residue>
     struct ConsumerStoreCallbacks : cutlass::epilogue::fusion::detail::EmptyConsumerStoreCallbacks
     {
@@ -138,23 +147,133 @@ struct RowScaleSplitStore
         int cols;
         Params const& params;
 
+        // Per tile, begin() works out once what every store of this thread needs, so that a store
+        // costs a few 32-bit compares and one add. A thread's accumulators lie in two rows of the
+        // tile in wgmma's layout (r and r + 8 of a warp's 16) and in one column range of at most the
+        // tile's width, which meets the split of its first column and often the next one. Looking
+        // the split up per element pair instead (a walk over FLASHNORM_MAX_OUTPUTS 64-bit offsets
+        // and pointers, about 150 PTX instructions a pair) made the kernel 1.0-1.25x slower on the
+        // H200 (kernels/NOTES.md). Elements outside these rows and two splits take the general
+        // path (locate).
+        int first_row = 0;
+        int second_row = 0;
+        float first_scale = 0.0f;
+        float second_scale = 0.0f;
+        int split_begin = 0;    // first global column of the split of this thread's first column
+        int split_end = 0;      // one past its last, = first column of the next split
+        int next_split_end = 0; // one past the next split's last column
+        // Byte address of global column 0 of a row, in a split's numbering: [row][split], row 0 =
+        // first_row, 1 = second_row; split 0 = this thread's first split, 1 = the next one.
+        uintptr_t column_zero[2][2] = {};
+
         CUTLASS_DEVICE void begin()
         {
             wait_for_reduction();
+            first_row = rows - int(get<0>(residue));
+            // The first row offset other than 0 among this thread's coordinates; they are static,
+            // so this folds to a constant.
+            int second_offset = 0;
+            CUTLASS_PRAGMA_UNROLL
+            for (int i = size(relative) - 1; i >= 0; --i)
+            {
+                int const offset = int(get<0>(relative(i)));
+                second_offset = offset != 0 ? offset : second_offset;
+            }
+            second_row = first_row + second_offset;
+            // Through L2 (ld.global.cg), as the reduction grid wrote them.
+            first_scale = first_row < rows ? __ldcg(params.inv_rms + first_row) : 0.0f;
+            second_scale = second_row < rows ? __ldcg(params.inv_rms + second_row) : 0.0f;
+
+            int const first_col = cols - int(get<1>(residue));
+            SplitColumn const here = locate(first_col < cols ? first_col : cols - 1);
+            split_begin = int(here.end - here.width);
+            split_end = int(here.end);
+            SplitColumn const next = locate(split_end < cols ? split_end : cols - 1);
+            next_split_end = split_end < cols ? int(next.end) : split_end;
+            SplitColumn const splits[2] = {here, next};
+            int const own_rows[2] = {first_row, second_row};
+            CUTLASS_PRAGMA_UNROLL
+            for (int r = 0; r < 2; ++r)
+            {
+                CUTLASS_PRAGMA_UNROLL
+                for (int split = 0; split < 2; ++split)
+                {
+                    int64_t const begin_column = splits[split].end - splits[split].width;
+                    // Unsigned wrap-around: the sum with a column of this split is the real address.
+                    column_zero[r][split] = reinterpret_cast<uintptr_t>(splits[split].output)
+                        + uintptr_t(own_rows[r] * splits[split].width - begin_column) * sizeof(Element);
+                }
+            }
         }
 
-        // One element, if inside the problem.
-        CUTLASS_DEVICE void store(int row, int col, float value) const
+        CUTLASS_DEVICE float scale_of(int row) const
         {
-            if (row >= rows || col >= cols)
+            if (row == first_row)
             {
-                return;
+                return first_scale;
             }
-            int const split = split_of(params.splits, col);
-            int64_t const offset = params.splits.offsets[split];
-            int64_t const width = params.splits.offsets[split + 1] - offset;
-            static_cast<Element*>(params.splits.outputs[split])[row * width + (col - offset)]
-                = Element(value * params.inv_rms[row]);
+            if (row == second_row)
+            {
+                return second_scale;
+            }
+            return __ldcg(params.inv_rms + row);
+        }
+
+        // The address of (row, col) when the columns col..last_col lie in one of this thread's two
+        // splits and row is one of its two rows; 0 otherwise (then locate() answers).
+        CUTLASS_DEVICE uintptr_t fast_address(int row, int col, int last_col) const
+        {
+            bool const in_first = col >= split_begin && last_col < split_end;
+            bool const in_next = col >= split_end && last_col < next_split_end;
+            if ((row != first_row && row != second_row) || !(in_first || in_next))
+            {
+                return 0;
+            }
+            // Constant indices only: a run-time index would put column_zero in local memory.
+            uintptr_t const first_split_zero = row == first_row ? column_zero[0][0] : column_zero[1][0];
+            uintptr_t const next_split_zero = row == first_row ? column_zero[0][1] : column_zero[1][1];
+            return (in_first ? first_split_zero : next_split_zero) + uintptr_t(col) * sizeof(Element);
+        }
+
+        // The split of global column `col`, found with constant indices only: indexing the split
+        // table with a run-time index put it in local memory (ptxas: a 168-byte stack frame).
+        CUTLASS_DEVICE SplitColumn locate(int col) const
+        {
+            OutputSplits const& splits = params.splits;
+            SplitColumn found{static_cast<Element*>(splits.outputs[0]), splits.offsets[1], col, splits.offsets[1]};
+            CUTLASS_PRAGMA_UNROLL
+            for (int split = 1; split < FLASHNORM_MAX_OUTPUTS; ++split)
+            {
+                if (split < splits.count && col >= splits.offsets[split])
+                {
+                    found = {static_cast<Element*>(splits.outputs[split]),
+                        splits.offsets[split + 1] - splits.offsets[split], col - splits.offsets[split],
+                        splits.offsets[split + 1]};
+                }
+            }
+            return found;
+        }
+
+        // Stores through st.global, which the compiler knows cannot touch local or shared memory.
+        CUTLASS_DEVICE static void store_one(Element* address, float value)
+        {
+            Element const rounded(value);
+            __stcg(reinterpret_cast<unsigned short*>(address), reinterpret_cast<unsigned short const&>(rounded));
+        }
+
+        CUTLASS_DEVICE void store_element(int row, int col, float value) const
+        {
+            if (row < rows && col < cols)
+            {
+                uintptr_t const address = fast_address(row, col, col);
+                if (address != 0)
+                {
+                    store_one(reinterpret_cast<Element*>(address), value);
+                    return;
+                }
+                SplitColumn const target = locate(col);
+                store_one(target.output + row * target.width + target.column, value);
+            }
         }
 
         // Two elements: one 4-byte store when they are neighbours in one row of one split at an
@@ -163,23 +282,25 @@ struct RowScaleSplitStore
         {
             if (row < rows && next_row == row && next_col == col + 1 && next_col < cols)
             {
-                int const split = split_of(params.splits, col);
-                int64_t const offset = params.splits.offsets[split];
-                int64_t const width = params.splits.offsets[split + 1] - offset;
-                Element* const address
-                    = static_cast<Element*>(params.splits.outputs[split]) + row * width + (col - offset);
-                if (next_col < offset + width && reinterpret_cast<uintptr_t>(address) % (2 * sizeof(Element)) == 0)
+                uintptr_t address = fast_address(row, col, next_col);
+                if (address == 0)
                 {
-                    float const scale = params.inv_rms[row];
+                    SplitColumn const target = locate(col);
+                    address = next_col < target.end
+                        ? reinterpret_cast<uintptr_t>(target.output + row * target.width + target.column)
+                        : 0;
+                }
+                if (address != 0 && address % (2 * sizeof(Element)) == 0)
+                {
                     cutlass::Array<Element, 2> pair;
-                    pair[0] = Element(first * scale);
-                    pair[1] = Element(second * scale);
-                    *reinterpret_cast<cutlass::Array<Element, 2>*>(address) = pair;
+                    pair[0] = Element(first);
+                    pair[1] = Element(second);
+                    __stcg(reinterpret_cast<unsigned int*>(address), reinterpret_cast<unsigned int const&>(pair));
                     return;
                 }
             }
-            store(row, col, first);
-            store(next_row, next_col, second);
+            store_element(row, col, first);
+            store_element(next_row, next_col, second);
         }
 
         template <typename ElementAccumulator, int FragmentSize>
@@ -187,17 +308,22 @@ struct RowScaleSplitStore
             cutlass::Array<ElementAccumulator, FragmentSize> const& frg_acc, int epi_v, int epi_m, int epi_n)
         {
             Tensor relative_mn = relative(_, _, _, epi_m, epi_n);
-            int const first_row = rows - int(get<0>(residue));
             int const first_col = cols - int(get<1>(residue));
             auto const row_of = [&](int i) { return first_row + int(get<0>(relative_mn(epi_v * FragmentSize + i))); };
             auto const col_of = [&](int i) { return first_col + int(get<1>(relative_mn(epi_v * FragmentSize + i))); };
+            float scaled[FragmentSize];
+            CUTLASS_PRAGMA_UNROLL
+            for (int i = 0; i < FragmentSize; ++i)
+            {
+                int const row = row_of(i);
+                scaled[i] = float(frg_acc[i]) * (row < rows ? scale_of(row) : 0.0f);
+            }
             if constexpr (FragmentSize % 2 == 0)
             {
                 CUTLASS_PRAGMA_UNROLL
                 for (int i = 0; i < FragmentSize; i += 2)
                 {
-                    store_pair(row_of(i), col_of(i), float(frg_acc[i]), row_of(i + 1), col_of(i + 1),
-                        float(frg_acc[i + 1]));
+                    store_pair(row_of(i), col_of(i), scaled[i], row_of(i + 1), col_of(i + 1), scaled[i + 1]);
                 }
             }
             else
@@ -205,7 +331,7 @@ struct RowScaleSplitStore
                 CUTLASS_PRAGMA_UNROLL
                 for (int i = 0; i < FragmentSize; ++i)
                 {
-                    store(row_of(i), col_of(i), float(frg_acc[i]));
+                    store_element(row_of(i), col_of(i), scaled[i]);
                 }
             }
             return frg_acc;
@@ -243,16 +369,28 @@ struct ScaledGemm
         = cutlass::gemm::kernel::GemmUniversal<Shape<int, int, int, int>, CollectiveMainloop, CollectiveEpilogue>;
 };
 
+using Cooperative = cutlass::gemm::KernelTmaWarpSpecializedCooperative;
+using CooperativeEpilogue = cutlass::epilogue::TmaWarpSpecializedCooperative;
+
 // Small M (to 256 rows): 64-row tiles, two consumer warp groups taking turns (ping-pong), so
-// narrow problems still spread over many multiprocessors. Larger M: 128×128 tiles, both consumer
-// warp groups on one tile (cooperative).
+// narrow problems still spread over many multiprocessors.
 template <class Element>
-using SmallTileGemm = ScaledGemm<Element, Shape<_64, _64, _64>, cutlass::gemm::KernelTmaWarpSpecializedPingpong,
-    cutlass::epilogue::TmaWarpSpecialized>;
+using SmallTileGemm = ScaledGemm<Element, Shape<_64, _64, _64>,
+    cutlass::gemm::KernelTmaWarpSpecializedPingpong, cutlass::epilogue::TmaWarpSpecialized>;
+// Larger M, both consumer warp groups on one tile (cooperative): 128×128 tiles, or 128×64 where
+// 128×128 ones would leave multiprocessors idle (SmolLM2 qkv at M = 1024: 64 tiles of 128×128 on
+// 132). Measured slower on the H200 and not used (kernels/NOTES.md): 128×256 tiles in clusters of
+// two along M, and ping-pong 64×128 / 64×256 tiles beyond 256 rows.
 template <class Element>
-using LargeTileGemm = ScaledGemm<Element, Shape<_128, _128, _64>,
-    cutlass::gemm::KernelTmaWarpSpecializedCooperative, cutlass::epilogue::TmaWarpSpecializedCooperative>;
+using NarrowTileGemm = ScaledGemm<Element, Shape<_128, _64, _64>, Cooperative, CooperativeEpilogue>;
+template <class Element>
+using LargeTileGemm = ScaledGemm<Element, Shape<_128, _128, _64>, Cooperative, CooperativeEpilogue>;
 constexpr int64_t kSmallTileMaxRows = 256;
+
+int64_t tile_count(int64_t m, int64_t n, int64_t tile_m, int64_t tile_n)
+{
+    return ((m + tile_m - 1) / tile_m) * ((n + tile_n - 1) / tile_n);
+}
 
 // inv_rms[m] = rsqrt(mean(x[m,:]²) + eps). Lets the GEMM launched after it (PDL) start at once;
 // `delay_cycles` (test hook) holds the writes back after that.
@@ -346,7 +484,11 @@ cudaError_t launch_typed(void const* x, void const* w, int64_t m, int64_t k, int
     {
         return launch_gemm<SmallTileGemm<Element>>(a, b, m, k, n, inv_rms, splits, sm_count, stream);
     }
-    return launch_gemm<LargeTileGemm<Element>>(a, b, m, k, n, inv_rms, splits, sm_count, stream);
+    if (tile_count(m, n, 128, 128) >= sm_count)
+    {
+        return launch_gemm<LargeTileGemm<Element>>(a, b, m, k, n, inv_rms, splits, sm_count, stream);
+    }
+    return launch_gemm<NarrowTileGemm<Element>>(a, b, m, k, n, inv_rms, splits, sm_count, stream);
 }
 
 } // namespace
@@ -358,9 +500,11 @@ bool epilogue_scale_built()
 
 cudaError_t configure_epilogue_scale_kernels()
 {
-    for (cudaError_t const status : {configure_gemm<SmallTileGemm<cutlass::bfloat16_t>>(),
-             configure_gemm<LargeTileGemm<cutlass::bfloat16_t>>(), configure_gemm<SmallTileGemm<cutlass::half_t>>(),
-             configure_gemm<LargeTileGemm<cutlass::half_t>>()})
+    for (cudaError_t const status :
+        {configure_gemm<SmallTileGemm<cutlass::bfloat16_t>>(), configure_gemm<NarrowTileGemm<cutlass::bfloat16_t>>(),
+            configure_gemm<LargeTileGemm<cutlass::bfloat16_t>>(),
+            configure_gemm<SmallTileGemm<cutlass::half_t>>(), configure_gemm<NarrowTileGemm<cutlass::half_t>>(),
+            configure_gemm<LargeTileGemm<cutlass::half_t>>()})
     {
         if (status != cudaSuccess)
         {
