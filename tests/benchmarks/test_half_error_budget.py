@@ -30,5 +30,6 @@ def test_one_draw_reports_every_backend(rng):
         assert row["positions"] == 8 * half_error_budget.SEQUENCE
         for name in ("folded", "deferred"):
             assert 0.5 < row[name]["rel_l2_ratio"] < 2, row
+            assert row[name]["rel_l2"] == pytest.approx(row[name]["rel_l2_ratio"] * row["unfolded_rel_l2"], rel=1e-2)
             assert 0 <= row[name]["argmax_differs_percent"] <= 100
             assert np.isfinite(row[name]["top1_change_points"])

@@ -63,6 +63,8 @@ def test_counts_and_logits(original, folded, text_ids, untie):
     config = json.loads((out / "config.json").read_text())
     assert config["tie_word_embeddings"] is (not untie)
     assert len(config["flashnorm"]["weightless_norms"]) == report["folded"]
+    # transformers' record of the GGUF it read; the written weights are plain fp32
+    assert "quantization_config" not in config and not getattr(model, "is_quantized", False)
     rel = _assert_same(original, model, text_ids)
     print(f"untie={untie}: logits rel err {rel:.3g} on {text_ids.numel()} tokens")
 

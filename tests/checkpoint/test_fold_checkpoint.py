@@ -127,6 +127,36 @@ def test_dtype_option_converts_and_records(tmp_path, rng):
     assert float((a - b).norm() / a.norm()) < 5e-3  # float16 storage, not the fold, sets this
 
 
+def test_gguf_quantization_config_is_not_written(tmp_path, rng, monkeypatch):
+    """A GGUF source is written as plain float safetensors, so the GGUF quantization_config
+    that transformers attaches when it reads the file is not carried into config.json: with
+    it, the reloaded folded model counts as quantized and refuses `.half()`. (A tiny model
+    carrying that config stands in for the loaded GGUF; the real one: test_checkpoint_smollm2.)"""
+    from transformers.utils.quantization_config import GgufConfig
+
+    from flashnorm.checkpoint import fold_checkpoint
+    from flashnorm.export import sources
+
+    class Tokenizer:
+        def save_pretrained(self, directory):
+            (Path(directory) / "tokenizer.json").write_text("{}")
+
+    monkeypatch.setattr(sources, "load_tokenizer", lambda source: Tokenizer())
+    case = next(c for c in CASES if c.name == "llama")
+    torch.manual_seed(int(rng.integers(2**31)))
+    model = case.build().eval()
+    _randomize_gains(model, rng)
+    model.config.quantization_config = GgufConfig(gguf_file="model.gguf")
+    report = fold_checkpoint(sources.ModelSource(tmp_path, "model.gguf"), tmp_path / "out", model=model)
+    assert report["folded"] == case.folded
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert "quantization_config" not in config and config["flashnorm"]["weightless_norms"]
+    folded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
+    assert not getattr(folded, "is_quantized", False)
+    _assert_same(model, folded, torch.from_numpy(rng.integers(0, 96, (1, 9))))
+    assert folded.half().model.layers[0].self_attn.q_proj.weight.dtype == torch.float16
+
+
 def test_already_weightless_gains_are_left_alone(tmp_path, rng):
     """A norm whose gain is already the identity is reported, not 'folded' again."""
     case = next(c for c in CASES if c.name == "llama")

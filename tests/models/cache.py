@@ -92,19 +92,48 @@ def smollm2_tokenizer():
     return load_tokenizer(smollm2_source())
 
 
-def smollm2_export(session_dir: Path, *, dynamo: bool = False, kv_cache: bool = False, dtype: str = "fp32") -> Path:
-    """SmolLM2-135M exported to ONNX (fp32, fp16 or bf16): legacy opset 17 or dynamo opset 23."""
-    from flashnorm.export import export_source
+def _gguf_identity() -> list[str]:
+    gguf = smollm2_source().directory / smollm2_source().gguf_file
+    return [gguf.name, str(gguf.stat().st_size)]
 
-    source = smollm2_source()
-    gguf = source.directory / source.gguf_file
-    key = code_hash("export", extra=[*_versions(), gguf.name, str(gguf.stat().st_size), str(dynamo), str(kv_cache), dtype])
-    precision = "" if dtype == "fp32" else f".{dtype}"
-    name = f"smollm2-135m.{'dynamo' if dynamo else 'legacy'}{'.kv' if kv_cache else ''}{precision}.{key}.onnx"
+
+def smollm2_folded_checkpoint(session_dir: Path) -> Path:
+    """SmolLM2-135M through fold-checkpoint (`flashnorm fold-checkpoint --model smollm2-135m`):
+    a float32 Hugging Face directory, 60 norms weightless, tied head kept. fold_checkpoint stages
+    its output and renames it into place, so an interrupted build leaves no directory here."""
+    from flashnorm.checkpoint import fold_checkpoint
+
+    key = code_hash("checkpoint", "files", "export/sources", extra=[*_versions(), *_gguf_identity()])
+    name = f"smollm2-135m.folded-checkpoint.{key}"
     path = cache_root(session_dir) / name
     if not path.exists():
         started = time.monotonic()
-        export_source(source, path, dynamo=dynamo, kv_cache=kv_cache, model=smollm2_model(), dtype=dtype)
+        fold_checkpoint(smollm2_source(), path, model=smollm2_model())
+        _TIMINGS[name] = time.monotonic() - started
+    return path
+
+
+def smollm2_export(session_dir: Path, *, dynamo: bool = False, kv_cache: bool = False, dtype: str = "fp32",
+                   prefolded: bool = False) -> Path:
+    """SmolLM2-135M exported to ONNX (fp32, fp16 or bf16): legacy opset 17 or dynamo opset 23.
+    With `prefolded`, the export of `smollm2_folded_checkpoint` instead (`flashnorm export DIR
+    --dtype ...`): the gains folded into the fp32 weights, then each weight rounded once to
+    `dtype` as the checkpoint is loaded in it."""
+    from flashnorm.export import export_source, resolve_source
+
+    if prefolded:
+        checkpoint = smollm2_folded_checkpoint(session_dir)
+        source, model, origin = resolve_source(checkpoint), None, [checkpoint.name]
+    else:
+        source, model, origin = smollm2_source(), smollm2_model(), _gguf_identity()
+    key = code_hash("export", extra=[*_versions(), *origin, str(dynamo), str(kv_cache), dtype])
+    precision = "" if dtype == "fp32" else f".{dtype}"
+    name = (f"smollm2-135m.{'dynamo' if dynamo else 'legacy'}{'.kv' if kv_cache else ''}"
+            f"{'.prefolded' if prefolded else ''}{precision}.{key}.onnx")
+    path = cache_root(session_dir) / name
+    if not path.exists():
+        started = time.monotonic()
+        export_source(source, path, dynamo=dynamo, kv_cache=kv_cache, model=model, dtype=dtype)
         _TIMINGS[name] = time.monotonic() - started
     return path
 

@@ -92,7 +92,7 @@ def _fold_into(stage: Path, source: Any, untie: bool, dtype: str, model: Any, in
         _write(stage, shards, total, indexed=source.gguf_file is None and (source.directory / INDEX_NAME).is_file())
         folded = [s for s in structure.sites if s.folded]
         if source.gguf_file:
-            _write_config(stage / "config.json", stage / "config.json", folded, untie, dtype)
+            _write_config(stage / "config.json", stage / "config.json", folded, untie, dtype, dequantized=True)
         else:
             _copy_extras(source.directory, stage)
             _write_config(source.directory / "config.json", stage / "config.json", folded, untie, dtype)
@@ -344,10 +344,18 @@ def _copy_extras(directory: Path, stage: Path) -> None:
             shutil.copy2(path, stage / path.name)
 
 
-def _write_config(source: Path, destination: Path, folded: list[NormSite], untie: bool, dtype: str) -> None:
+def _write_config(source: Path, destination: Path, folded: list[NormSite], untie: bool, dtype: str, *,
+                  dequantized: bool = False) -> None:
+    """config.json of the folded checkpoint: the source's, with the fold recorded. With
+    `dequantized` (a GGUF source, written as plain float safetensors) its `quantization_config`
+    is dropped: transformers records there the GGUF file it read (`quant_method: gguf`), and a
+    loader that finds it treats the folded checkpoint as quantized (`model.is_quantized`,
+    `.half()` refused) although no written weight is."""
     from flashnorm import __version__
 
     config = json.loads(source.read_text())
+    if dequantized:
+        config.pop("quantization_config", None)
     config[FOLD_KEY] = {
         "version": __version__,
         "weightless_norms": {s.name: s.convention for s in folded},
