@@ -93,7 +93,8 @@ def smollm2_tokenizer():
 
 
 def _gguf_identity() -> list[str]:
-    gguf = smollm2_source().directory / smollm2_source().gguf_file
+    source = smollm2_source()
+    gguf = source.directory / source.gguf_file
     return [gguf.name, str(gguf.stat().st_size)]
 
 
