@@ -720,6 +720,32 @@ def test_derived_values_may_work_in_place(tmp_path, rng):
     np.testing.assert_array_equal(lazy.values, original)
 
 
+def test_derived_values_of_a_bfloat16_weight_are_bfloat16_without_a_warning(tmp_path, rng, capfd):
+    """A bfloat16 initializer reaches the function as onnx reads it, in bfloat16 (ml_dtypes).
+    onnx-graphsurgeon's own loader casts it to float32 and prints a warning for each tensor,
+    which the bf16 fold of SmolLM2-135M turned into 150 warnings on standard output."""
+    import ml_dtypes
+
+    original = rng.standard_normal((8, 16)).astype(ml_dtypes.bfloat16)
+    graph = helper.make_graph(
+        [helper.make_node("MatMul", ["x", "W"], ["y"])], "one",
+        [helper.make_tensor_value_info("x", TensorProto.BFLOAT16, [1, 8])],
+        [helper.make_tensor_value_info("y", TensorProto.BFLOAT16, [1, 16])],
+        [numpy_helper.from_array(original, "W")],
+    )
+    source = tmp_path / "bf16.onnx"
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), str(source))
+    weight = _constant(modelio.load(source), "W")
+    capfd.readouterr()
+    # onnx-graphsurgeon reports an unread bfloat16 constant's dtype as the ONNX type number.
+    derived = modelio.DerivedValues(weight, lambda w: np.multiply(w, 2, out=w), dtype=ml_dtypes.bfloat16)
+    values = derived.load()
+    assert values.dtype == ml_dtypes.bfloat16
+    np.testing.assert_array_equal(values.astype(np.float32), original.astype(np.float32) * 2)
+    printed = capfd.readouterr()
+    assert "Accessing the values" not in printed.out + printed.err
+
+
 def _single_matmul_shaped(weight: np.ndarray) -> onnx.ModelProto:
     graph = helper.make_graph(
         [helper.make_node("MatMul", ["x", "W"], ["y"])], "one",

@@ -13,9 +13,8 @@ from typing import Optional
 import numpy as np
 import onnx
 import onnx_graphsurgeon as gs
-from onnx_graphsurgeon.ir.tensor import LazyValues
 
-from flashnorm.modelio.values import stored_values
+from flashnorm.modelio.values import read_values, stored_values
 
 # Ops whose output is a constant when all their inputs are, evaluated in numpy in the
 # tensor's own dtype (so that Cast, and the dtype of the result, are exact).
@@ -107,13 +106,9 @@ def constant_value(tensor: Optional[gs.Tensor], depth: int = 0) -> Optional[np.n
 
 
 def constant_array(constant: gs.Constant) -> np.ndarray:
-    """A constant's values in its own dtype, bfloat16 included (through ml_dtypes), without
-    caching them on the constant: onnx-graphsurgeon's own loader warns on every bfloat16
-    tensor that NumPy lacks the type, although onnx hands it an ml_dtypes array."""
-    values = stored_values(constant)
-    if type(values) is LazyValues:  # an initializer as onnx-graphsurgeon imported it
-        return np.asarray(onnx.numpy_helper.to_array(values.tensor))
-    return values.load() if isinstance(values, LazyValues) else np.asarray(values)
+    """A constant's values in its own dtype, bfloat16 included (`read_values`), without
+    caching them on the constant."""
+    return read_values(stored_values(constant))
 
 
 def _constant_node_value(node: gs.Node) -> Optional[np.ndarray]:

@@ -37,6 +37,20 @@ def stored_values(constant: gs.Constant) -> np.ndarray | LazyValues:
     return constant._values
 
 
+def read_values(values: np.ndarray | LazyValues, *, copy: bool = False) -> np.ndarray:
+    """The array a constant's stored `values` hold, in their own dtype, bfloat16 included
+    (through ml_dtypes); `copy` for an array the caller may modify. An initializer as
+    onnx-graphsurgeon imported it is read through onnx itself: onnx-graphsurgeon's own loader
+    warns on every bfloat16 tensor that NumPy lacks the type, and casts it to float32."""
+    if type(values) is LazyValues:
+        # Read-only where onnx wraps the tensor's bytes; writable means an array of its own.
+        array = np.asarray(onnx.numpy_helper.to_array(values.tensor))
+        return array.copy() if copy and not array.flags.writeable else array
+    if isinstance(values, LazyValues):
+        return values.load()
+    return np.array(values) if copy else np.asarray(values)
+
+
 def tensor_nbytes(data_type: int, dims: Iterable[int]) -> int | None:
     """Bytes of `raw_data` for a tensor of this ONNX type and shape; None for strings."""
     if data_type == onnx.TensorProto.STRING:
@@ -132,9 +146,9 @@ class DerivedValues(LazyValues):
         self.nbytes = math.prod(int(d) for d in self.shape) * self.dtype.itemsize
 
     def load(self) -> np.ndarray:
-        # LazyValues.load() reads a new array every time; an in-memory source is copied so
+        # A lazy source is read into a new array every time; an in-memory one is copied so
         # that `function` may work in place without changing it.
-        source = self.source.load() if isinstance(self.source, LazyValues) else np.array(self.source)
+        source = read_values(self.source, copy=True)
         values = np.asarray(self.function(source))
         if list(values.shape) != self.shape or values.dtype != self.dtype:
             raise ValueError(
