@@ -58,3 +58,53 @@ def test_bfloat16_on_another_provider_is_one_line(half_pair, capsys):
     assert cli.main(["compare", str(original), str(optimized), "--providers", "CUDAExecutionProvider"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "runs emulated on ONNX Runtime's CPU provider only" in err
+
+
+@pytest.fixture(scope="module", params=["fp16", "bf16"])
+def budget_trio(request, tmp_path_factory):
+    """The tiny Llama in fp32 and in the half type (no KV cache: the three take the same token
+    ids), and the half export optimized with fold,defer."""
+    from flashnorm.export import export_causal_lm
+
+    directory = tmp_path_factory.mktemp(f"budget-{request.param}")
+    fp32, half, optimized = directory / "model.onnx", directory / "half.onnx", directory / "half.flashnorm.onnx"
+    export_causal_lm(cache.tiny_llama_model(), fp32)
+    export_causal_lm(cache.tiny_llama_model(), half, dtype=request.param)
+    optimize_file(half, optimized, ("fold", "defer"))
+    return fp32, half, optimized
+
+
+def test_budget_judges_instead_of_the_tolerances(budget_trio, tmp_path, capsys):
+    fp32, half, optimized = budget_trio
+    report_path = tmp_path / "report.json"
+    argv = ["compare", str(half), str(optimized), "--budget", str(fp32), "--report", str(report_path)]
+    # 32 positions: one argmax moves top-1 by 3 points, so the test judges the ratio alone.
+    argv += ["--budget-top1-points", "100"]
+    assert cli.main([*argv, "--budget-ratio", "1000"]) == 0
+    out = capsys.readouterr().out
+    report = json.loads(report_path.read_text())
+    # The fp32-tight default tolerances fail a half model; with --budget they do not decide.
+    assert report["tolerances_passed"] is False and report["passed"] is True
+    (logits,) = report["budget"]["outputs"]
+    assert logits["ratio"] == pytest.approx(logits["candidate_rel_l2"] / logits["reference_rel_l2"])
+    assert report["budget"]["fp32_model"] == str(fp32) and report["budget"]["max_ratio"] == 1000
+    assert "not judged: --budget judges" in out and f"half-precision budget against the fp32 model {fp32}" in out
+    assert cli.main([*argv, "--budget-ratio", "0.01"]) == 1
+    assert json.loads(report_path.read_text())["budget"]["passed"] is False
+    assert "FAIL logits" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("case,message", [
+    ("half", "not float32: the budget measures both half models against the fp32 export"),
+    ("missing", "does not exist or is not a file"),
+    ("ratio", "--budget-ratio must be positive"),
+    ("points", "--budget-top1-points must be 0 or more"),
+])
+def test_bad_budget_input_is_one_line(budget_trio, tmp_path, capsys, case, message):
+    fp32, half, optimized = budget_trio
+    tail = {"half": ["--budget", str(half)], "missing": ["--budget", str(tmp_path / "absent.onnx")],
+            "ratio": ["--budget", str(fp32), "--budget-ratio", "0"],
+            "points": ["--budget", str(fp32), "--budget-top1-points", "-1"]}[case]
+    assert cli.main(["compare", str(half), str(optimized), *tail]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and message in err, err

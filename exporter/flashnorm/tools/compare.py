@@ -3,7 +3,10 @@ Polygraphy on ONNX Runtime; report max/mean absolute and relative error and rela
 output, and fail (exit 1) beyond `--atol/--rtol/--max-rel-l2`. A token model (one with an
 `input_ids` input) gets seeded random token ids, `--input-ids`, or `--text` through the model's
 tokenizer, and `--generate N` also compares N greedy tokens. Any other model gets seeded random
-tensors for every input, from its declared dtypes and shapes (`--input-shapes`, `--val-range`)."""
+tensors for every input, from its declared dtypes and shapes (`--input-shapes`, `--val-range`).
+With `--budget FP32.onnx`, a half-precision candidate is judged by the error budget of
+docs/HALF_PRECISION.md (against the fp32 model, next to the reference) instead of the
+tolerances."""
 
 from __future__ import annotations
 
@@ -16,6 +19,7 @@ import numpy as np
 
 from flashnorm.errors import FlashNormError
 from flashnorm.tools.options import add_model_input_options, add_tensorrt_options
+from flashnorm.validate.budget import MAX_RATIO, MAX_TOP1_DROP_POINTS
 from flashnorm.validate.comparison import DEFAULT_ATOL, DEFAULT_MAX_REL_L2, DEFAULT_RTOL
 from flashnorm.validate.feeds import FeedOptions, build_feeds
 from flashnorm.validate.runners import OPTIMIZATION_LEVELS
@@ -32,6 +36,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"relative tolerance, elementwise; an element fails only beyond both (default {DEFAULT_RTOL:g})")
     limits.add_argument("--max-rel-l2", type=float, default=DEFAULT_MAX_REL_L2,
                         help=f"largest allowed ‖a−b‖₂/‖ref‖₂ per output (default {DEFAULT_MAX_REL_L2:g})")
+    limits.add_argument("--budget", metavar="FP32_MODEL",
+                        help="judge a half-precision candidate by the error budget instead of the tolerances: "
+                             "FP32_MODEL is the fp32 export of the same model; per output the candidate's rel L2 "
+                             "error against it at most --budget-ratio times the reference's, and for logits its "
+                             "top-1 agreement at most --budget-top1-points lower (docs/HALF_PRECISION.md)")
+    limits.add_argument("--budget-ratio", type=float, default=MAX_RATIO, metavar="R",
+                        help=f"with --budget: the largest allowed error ratio (default {MAX_RATIO:g})")
+    limits.add_argument("--budget-top1-points", type=float, default=MAX_TOP1_DROP_POINTS, metavar="P",
+                        help="with --budget: the largest allowed drop of top-1 agreement with the fp32 model, in "
+                             f"percentage points (default {MAX_TOP1_DROP_POINTS:g}; one position of N moves it by "
+                             "100/N, so judge it on thousands of positions)")
     limits.add_argument("--generate", type=int, default=0, metavar="N",
                         help="also generate N tokens greedily from both models on ONNX Runtime (even with "
                              "--trt/--engine: the engine is not run in a generation loop); fail if any differs")
@@ -53,12 +68,26 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
+    from onnx import TensorProto
+
+    from flashnorm.validate.bfloat16 import BFLOAT16, FLOAT, emulated_session, emulating_runner_factory, precision
+    from flashnorm.validate.budget import check_same_inputs, judge_budget
     from flashnorm.validate.comparison import compare_models
     from flashnorm.validate.generate import compare_generation
-    from flashnorm.validate.bfloat16 import BFLOAT16, emulated_session, emulating_runner_factory, precision
     from flashnorm.validate.runners import make_session, onnxrt_runner_factory
 
     providers = [p.strip() for p in args.providers.split(",") if p.strip()]
+    if args.budget:
+        if not args.budget_ratio > 0:
+            raise FlashNormError(f"--budget-ratio must be positive, got {args.budget_ratio:g}")
+        if not args.budget_top1_points >= 0:
+            raise FlashNormError(f"--budget-top1-points must be 0 or more, got {args.budget_top1_points:g}")
+        # Before any model runs: a missing file, a half "fp32" model or other inputs are one-line errors.
+        check_same_inputs(args.budget, args.reference, args.candidate)
+        kind = precision(args.budget)[0]
+        if kind != FLOAT:
+            raise FlashNormError(f"--budget {args.budget} is {TensorProto.DataType.Name(kind).lower()}, not float32: "
+                                 f"the budget measures both half models against the fp32 export")
     options = FeedOptions(**{field.name: getattr(args, field.name) for field in dataclasses.fields(FeedOptions)})
     feeds, description, first_ids = build_feeds(args.reference, args.candidate, options)
     # A missing candidate is compare_models' one-line error, below.
@@ -78,6 +107,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         atol=args.atol, rtol=args.rtol, max_rel_l2=args.max_rel_l2, inputs_description=description,
     ).to_dict()
     report["precision"] = {role: text for role, (_, text) in precisions.items()}
+    if args.budget:
+        fp32_factory = onnxrt_runner_factory(providers=providers, optimization_level=args.optimization_level)
+        budget = judge_budget(args.budget, args.reference, args.candidate, feeds,
+                              runners=(fp32_factory, factory, candidate_factory), max_ratio=args.budget_ratio,
+                              max_top1_drop_points=args.budget_top1_points)
+        report["tolerances_passed"] = report["passed"]
+        report["budget"] = budget.to_dict()
+        report["passed"] = budget.passed
 
     def session(path):
         if precision(path)[0] == BFLOAT16:
@@ -107,11 +144,17 @@ def tensorrt_candidate(args: argparse.Namespace, feeds: list[dict[str, np.ndarra
 
 
 def format_text(report: dict[str, Any], verbose: bool = False) -> str:
+    from flashnorm.validate.budget import format_budget
     from flashnorm.validate.comparison import ComparisonReport, OutputError, format_report
 
     fields = {k: v for k, v in report.items() if k in ComparisonReport.__dataclass_fields__}
     fields["outputs"] = [OutputError(**o) for o in report["outputs"]]
+    budget = report.get("budget")
+    if budget:
+        fields["passed"] = report["tolerances_passed"]
     text = format_report(ComparisonReport(**fields))
+    if budget:
+        text += " — not judged: --budget judges\n" + format_budget(budget)
     for role, how in report.get("precision", {}).items():
         text += f"\n{role} ran in {how}"
     generation = report.get("generation")
