@@ -52,21 +52,23 @@ def _perturbed(half, path, factor):
 
 def test_the_reference_itself_is_within_its_own_budget(exports, rng):
     fp32, half = exports
-    report = budget.judge_budget(fp32, half, half, _feeds(half, rng), runners=_runners())
+    report, comparison = budget.judge_budget(fp32, half, half, _feeds(half, rng), runners=_runners())
     (logits,) = report.outputs
     assert logits.name == "logits" and 0 < logits.reference_rel_l2 < 0.1
     assert logits.ratio == 1.0 and logits.candidate_top1 == logits.reference_top1
     assert report.passed and report.max_ratio == budget.MAX_RATIO
+    # The tolerance comparison of the candidate with the reference comes from the same runs.
+    assert comparison.passed and comparison.output("logits").rel_l2 == 0
 
 
 def test_a_moved_weight_is_outside_the_budget(exports, tmp_path, rng):
     fp32, half = exports
     moved = _perturbed(half, tmp_path / "moved.onnx", 1.05)
-    report = budget.judge_budget(fp32, half, moved, _feeds(half, rng), runners=_runners())
+    report, _ = budget.judge_budget(fp32, half, moved, _feeds(half, rng), runners=_runners())
     (logits,) = report.outputs
     assert logits.ratio > budget.MAX_RATIO and not logits.passed and not report.passed
     # The verdict follows the ratio given: the same errors pass a bound above their ratio.
-    relaxed = budget.judge_budget(fp32, half, moved, _feeds(half, rng), runners=_runners(), max_ratio=1e6,
+    relaxed, _ = budget.judge_budget(fp32, half, moved, _feeds(half, rng), runners=_runners(), max_ratio=1e6,
                                   max_top1_drop_points=100)
     assert relaxed.passed
 

@@ -102,19 +102,18 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     else:
         factory = onnxrt_runner_factory(providers=providers, optimization_level=args.optimization_level)
     candidate_factory = tensorrt_candidate(args, feeds) or factory
-    report = compare_models(
-        args.reference, args.candidate, feeds, runners=(factory, candidate_factory),
-        atol=args.atol, rtol=args.rtol, max_rel_l2=args.max_rel_l2, inputs_description=description,
-    ).to_dict()
-    report["precision"] = {role: text for role, (_, text) in precisions.items()}
+    tolerances = dict(atol=args.atol, rtol=args.rtol, max_rel_l2=args.max_rel_l2, inputs_description=description)
     if args.budget:
         fp32_factory = onnxrt_runner_factory(providers=providers, optimization_level=args.optimization_level)
-        budget = judge_budget(args.budget, args.reference, args.candidate, feeds,
-                              runners=(fp32_factory, factory, candidate_factory), max_ratio=args.budget_ratio,
-                              max_top1_drop_points=args.budget_top1_points)
-        report["tolerances_passed"] = report["passed"]
-        report["budget"] = budget.to_dict()
-        report["passed"] = budget.passed
+        budget, comparison = judge_budget(
+            args.budget, args.reference, args.candidate, feeds, runners=(fp32_factory, factory, candidate_factory),
+            max_ratio=args.budget_ratio, max_top1_drop_points=args.budget_top1_points, **tolerances)
+        report = {**comparison.to_dict(), "tolerances_passed": comparison.passed, "budget": budget.to_dict(),
+                  "passed": budget.passed}
+    else:
+        report = compare_models(args.reference, args.candidate, feeds, runners=(factory, candidate_factory),
+                                **tolerances).to_dict()
+    report["precision"] = {role: text for role, (_, text) in precisions.items()}
 
     def session(path):
         if precision(path)[0] == BFLOAT16:

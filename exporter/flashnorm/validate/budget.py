@@ -17,7 +17,9 @@ from typing import Any, Iterable, Mapping
 import numpy as np
 
 from flashnorm.errors import FlashNormError
-from flashnorm.validate.comparison import compare_models
+from flashnorm.validate.comparison import (
+    CANDIDATE, DEFAULT_ATOL, DEFAULT_MAX_REL_L2, DEFAULT_RTOL, REFERENCE, ComparisonReport, compare_several,
+)
 from flashnorm.validate.inputs import read_signature
 from flashnorm.validate.runners import RunnerFactory
 
@@ -25,6 +27,7 @@ MAX_RATIO = 1.1
 """Largest allowed (candidate error) / (reference error), both against the fp32 model."""
 MAX_TOP1_DROP_POINTS = 0.5
 """Largest allowed drop of top-1 agreement with the fp32 model, in percentage points."""
+FP32 = "fp32"
 
 
 @dataclasses.dataclass
@@ -78,22 +81,27 @@ def judge_budget(
     runners: tuple[RunnerFactory, RunnerFactory, RunnerFactory],
     max_ratio: float = MAX_RATIO,
     max_top1_drop_points: float = MAX_TOP1_DROP_POINTS,
-) -> BudgetReport:
-    """Run the fp32 model, the reference and the candidate on `feeds` (runner factories in that
-    order) and judge every output the reference and the candidate share by the budget."""
+    atol: float = DEFAULT_ATOL,
+    rtol: float = DEFAULT_RTOL,
+    max_rel_l2: float = DEFAULT_MAX_REL_L2,
+    inputs_description: Mapping[str, Any] | None = None,
+) -> tuple[BudgetReport, ComparisonReport]:
+    """Run the fp32 model, the reference and the candidate once each on `feeds` (runner
+    factories in that order) and judge every output the reference and the candidate share by
+    the budget. Also returns the candidate compared with the reference under the tolerances
+    (`compare_models`' report), from the same runs."""
     check_same_inputs(fp32_model, reference, candidate)
-    feeds = [dict(f) for f in feeds]
     fp32_factory, reference_factory, candidate_factory = runners
-    # Tolerances play no part here: compare_models is used for its statistics only.
-    errors = {
-        role: {o.name: o for o in compare_models(fp32_model, path, feeds, runners=(fp32_factory, factory),
-                                                  max_rel_l2=float("inf")).outputs}
-        for role, path, factory in (("reference", reference, reference_factory),
-                                    ("candidate", candidate, candidate_factory))
-    }
+    models = {FP32: (fp32_model, fp32_factory), REFERENCE: (reference, reference_factory),
+              CANDIDATE: (candidate, candidate_factory)}
+    # Against the fp32 model only the statistics count, not the tolerances.
+    reports = compare_several(models, feeds, [(FP32, REFERENCE), (FP32, CANDIDATE), (REFERENCE, CANDIDATE)],
+                              atol=atol, rtol=rtol, max_rel_l2=max_rel_l2, inputs_description=inputs_description)
+    own_errors = {o.name: o for o in reports[(FP32, REFERENCE)].outputs}
+    candidate_errors = {o.name: o for o in reports[(FP32, CANDIDATE)].outputs}
     outputs = []
-    for name, own in errors["reference"].items():
-        theirs = errors["candidate"].get(name)
+    for name, own in own_errors.items():
+        theirs = candidate_errors.get(name)
         if theirs is None:
             continue
         if own.rel_l2 > 0:
@@ -108,10 +116,11 @@ def judge_budget(
             reference_top1=own.top1_agreement, candidate_top1=theirs.top1_agreement, nonfinite=theirs.nonfinite,
             passed=passed,
         ))
-    return BudgetReport(
+    budget = BudgetReport(
         fp32_model=os.fspath(fp32_model), max_ratio=max_ratio, max_top1_drop_points=max_top1_drop_points,
         outputs=outputs, passed=bool(outputs) and all(o.passed for o in outputs),
     )
+    return budget, reports[(REFERENCE, CANDIDATE)]
 
 
 def format_budget(report: Mapping[str, Any]) -> str:

@@ -120,68 +120,93 @@ def compare_models(
     `runners` is (reference factory, candidate factory); both default to ONNX Runtime on CPU.
     Fails (passed=False) when any output exceeds the tolerances, holds NaN/Inf where the other
     does not, or exists in the reference but not in the candidate."""
+    reference_factory, candidate_factory = runners or (onnxrt_runner_factory(), onnxrt_runner_factory())
+    models = {REFERENCE: (reference, reference_factory), CANDIDATE: (candidate, candidate_factory)}
+    return compare_several(models, feeds, [(REFERENCE, CANDIDATE)], atol=atol, rtol=rtol, max_rel_l2=max_rel_l2,
+                           inputs_description=inputs_description)[(REFERENCE, CANDIDATE)]
+
+
+def compare_several(
+    models: Mapping[str, tuple[str | os.PathLike[str], RunnerFactory]],
+    feeds: Iterable[Mapping[str, np.ndarray]],
+    pairs: Iterable[tuple[str, str]],
+    *,
+    atol: float = DEFAULT_ATOL,
+    rtol: float = DEFAULT_RTOL,
+    max_rel_l2: float = DEFAULT_MAX_REL_L2,
+    inputs_description: Mapping[str, Any] | None = None,
+) -> dict[tuple[str, str], ComparisonReport]:
+    """`compare_models` for each (reference role, candidate role) of `pairs`, with every model
+    of `models` (role → (path, runner factory)) run once on each feed dict."""
     from polygraphy.comparator import Comparator, SimpleCompareFunc
     from polygraphy.logger import G_LOGGER
 
     feeds = [dict(f) for f in feeds]
+    pairs = list(pairs)
     if not feeds:
         raise FlashNormError("no inputs to compare on")
-    reference_signature, candidate_signature = read_signature(reference), read_signature(candidate)
-    if reference_signature.input_names != candidate_signature.input_names:
-        raise FlashNormError(
-            f"the models take different inputs: {reference_signature.input_names} vs {candidate_signature.input_names}"
-        )
-    missing = [n for n in reference_signature.output_names if n not in candidate_signature.output_names]
-    common = [n for n in reference_signature.output_names if n not in missing]
-    reference_factory, candidate_factory = runners or (onnxrt_runner_factory(), onnxrt_runner_factory())
-    runner_list = [
-        reference_factory(os.fspath(reference), REFERENCE),
-        candidate_factory(os.fspath(candidate), CANDIDATE),
-    ]
-    outputs = []
-    if common:
-        compare_func = SimpleCompareFunc(
-            atol=atol, rtol=rtol, check_error_stat="elemwise", find_output_func=exact_name
-        )
+    signatures = {role: read_signature(path) for role, (path, _) in models.items()}
+    first = next(iter(signatures.values()))
+    for signature in signatures.values():
+        if signature.input_names != first.input_names:
+            raise FlashNormError(f"the models take different inputs: {first.input_names} vs {signature.input_names}")
+    runner_list = [factory(os.fspath(path), role) for role, (path, factory) in models.items()]
+    runner_of = dict(zip(models, runner_list))
+    common = {(r, c): [n for n in signatures[r].output_names if n in signatures[c].output_names] for r, c in pairs}
+    compared = [pair for pair in pairs if common[pair]]
+    if compared:  # Polygraphy refuses a comparison without a common output
+        compare_func = SimpleCompareFunc(atol=atol, rtol=rtol, check_error_stat="elemwise",
+                                         find_output_func=exact_name)
         colors, G_LOGGER.colors = G_LOGGER.colors, False  # else it prints a note on stdout
         try:
             with G_LOGGER.verbosity(G_LOGGER.CRITICAL):
                 run_results = Comparator.run(runner_list, data_loader=feeds)
-                # Pair (candidate, reference): Polygraphy measures relative error against the second.
-                accuracy = Comparator.compare_accuracy(run_results, comparisons=[(1, 0)], compare_func=compare_func)
+                # Pairs (candidate, reference): Polygraphy measures relative error against the second.
+                indices = {role: i for i, role in enumerate(models)}
+                accuracy = Comparator.compare_accuracy(
+                    run_results, comparisons=[(indices[c], indices[r]) for r, c in compared], compare_func=compare_func)
         finally:
             G_LOGGER.colors = colors
-        reference_iterations = run_results[runner_list[0].name]
-        candidate_iterations = run_results[runner_list[1].name]
-        verdicts = accuracy[0][(runner_list[1].name, runner_list[0].name)]
-    for name in common:
-        pairs = [(c[name], r[name]) for c, r in zip(candidate_iterations, reference_iterations)]
-        for c, r in pairs:
-            if c.shape != r.shape:
-                raise FlashNormError(f"output {name}: candidate shape {list(c.shape)} vs reference {list(r.shape)}")
-        stats = error_statistics(
-            np.concatenate([np.ravel(c) for c, _ in pairs]), np.concatenate([np.ravel(r) for _, r in pairs])
+    reports = {}
+    for reference_role, candidate_role in pairs:
+        reference_runner, candidate_runner = runner_of[reference_role], runner_of[candidate_role]
+        names = common[(reference_role, candidate_role)]
+        outputs = []
+        if names:
+            verdicts = accuracy[0][(candidate_runner.name, reference_runner.name)]
+            outputs = [_output_error(name, run_results[candidate_runner.name], run_results[reference_runner.name],
+                                     verdicts, max_rel_l2) for name in names]
+        missing = [n for n in signatures[reference_role].output_names if n not in names]
+        reports[(reference_role, candidate_role)] = ComparisonReport(
+            reference=os.fspath(models[reference_role][0]),
+            candidate=os.fspath(models[candidate_role][0]),
+            runners=[f"{r.name}: {type(r).__name__}" for r in (reference_runner, candidate_runner)],
+            inputs=dict(inputs_description or {"iterations": len(feeds)}),
+            atol=atol, rtol=rtol, max_rel_l2=max_rel_l2,
+            outputs=outputs,
+            missing_outputs=missing,
+            passed=bool(outputs) and not missing and all(o.passed for o in outputs),
         )
-        # Every iteration must carry a verdict for this output (a skipped output never passes).
-        polygraphy_passed = len(verdicts) == len(pairs) and all(name in v and bool(v[name]) for v in verdicts)
-        passed = polygraphy_passed and stats["rel_l2"] <= max_rel_l2 and stats["nonfinite"] == 0
-        top1 = None
-        if name == "logits":
-            top1 = float(np.mean([top1_agreement(c, r) for c, r in pairs]))
-        outputs.append(OutputError(
-            name=name, shape=list(pairs[0][1].shape), top1_agreement=top1,
-            polygraphy_passed=polygraphy_passed, passed=passed, **stats,
-        ))
-    return ComparisonReport(
-        reference=os.fspath(reference),
-        candidate=os.fspath(candidate),
-        runners=[f"{r.name}: {type(r).__name__}" for r in runner_list],
-        inputs=dict(inputs_description or {"iterations": len(feeds)}),
-        atol=atol, rtol=rtol, max_rel_l2=max_rel_l2,
-        outputs=outputs,
-        missing_outputs=missing,
-        passed=bool(outputs) and not missing and all(o.passed for o in outputs),
+    return reports
+
+
+def _output_error(name: str, candidate_iterations: Any, reference_iterations: Any, verdicts: Any,
+                  max_rel_l2: float) -> OutputError:
+    pairs = [(c[name], r[name]) for c, r in zip(candidate_iterations, reference_iterations)]
+    for c, r in pairs:
+        if c.shape != r.shape:
+            raise FlashNormError(f"output {name}: candidate shape {list(c.shape)} vs reference {list(r.shape)}")
+    stats = error_statistics(
+        np.concatenate([np.ravel(c) for c, _ in pairs]), np.concatenate([np.ravel(r) for _, r in pairs])
     )
+    # Every iteration must carry a verdict for this output (a skipped output never passes).
+    polygraphy_passed = len(verdicts) == len(pairs) and all(name in v and bool(v[name]) for v in verdicts)
+    passed = polygraphy_passed and stats["rel_l2"] <= max_rel_l2 and stats["nonfinite"] == 0
+    top1 = None
+    if name == "logits":
+        top1 = float(np.mean([top1_agreement(c, r) for c, r in pairs]))
+    return OutputError(name=name, shape=list(pairs[0][1].shape), top1_agreement=top1,
+                       polygraphy_passed=polygraphy_passed, passed=passed, **stats)
 
 
 def format_report(report: ComparisonReport) -> str:
