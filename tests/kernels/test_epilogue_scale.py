@@ -21,6 +21,7 @@ SHAPES = [
     (200, [40, 8, 16, 24]),
     (1000, [333, 667]),
     (264, [7, 13, 5, 7]),
+    (128, [8704, 8704]),  # 136 tiles of 128x128 from one row block: the large tiles from M = 129
 ]
 
 
