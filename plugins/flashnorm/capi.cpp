@@ -30,8 +30,12 @@ struct AutoTable
     int64_t prenorm_min_narrow_run_elements;
     // fp32 (CUDA-core GEMMs): from this many rows, whatever the splits.
     int64_t prenorm_min_rows_f32;
-    // epilogue-scale is in no row of this table: on 2026-12-01 it measured slower than the strategy
-    // AUTO picks in every cell timed (kernels/NOTES.md, "epilogue-scale"), so AUTO never picks it.
+    // epilogue-scale (builds with the CUTLASS kernel), where the splits form several runs and K is
+    // at most epilogue_scale_max_k: from epilogue_scale_min_rows to epilogue_scale_max_rows rows
+    // (below prenorm's region; elsewhere it measured slower than what AUTO picks).
+    int64_t epilogue_scale_min_rows;
+    int64_t epilogue_scale_max_rows;
+    int64_t epilogue_scale_max_k;
 };
 
 constexpr AutoTable kAuto{
@@ -43,6 +47,9 @@ constexpr AutoTable kAuto{
     /*prenorm_large_weight=*/int64_t(1) << 25,
     /*prenorm_min_narrow_run_elements=*/int64_t(5) << 18,
     /*prenorm_min_rows_f32=*/1024,
+    /*epilogue_scale_min_rows=*/128,
+    /*epilogue_scale_max_rows=*/1024,
+    /*epilogue_scale_max_k=*/1024,
 };
 
 bool valid_dtype(flashnorm_dtype dtype)
@@ -117,12 +124,27 @@ int64_t prenorm_min_rows(flashnorm_problem const& problem)
     return rows > kAuto.prenorm_min_rows ? rows : kAuto.prenorm_min_rows;
 }
 
+// AUTO's epilogue-scale region. Whether the device and the pointers allow it is known only at
+// the call (epilogue_scale_refusal); there AUTO falls back to two_stream, whose workspace
+// workspace_bytes_for() therefore reserves too.
+bool auto_picks_epilogue_scale(flashnorm_problem const& problem)
+{
+    if (!flashnorm::epilogue_scale_built() || problem.dtype == FLASHNORM_DTYPE_F32 || problem.k % 8 != 0
+        || problem.n % 8 != 0 || problem.k > kAuto.epilogue_scale_max_k || problem.m < kAuto.epilogue_scale_min_rows
+        || problem.m > kAuto.epilogue_scale_max_rows)
+        return false;
+    flashnorm::SplitRun runs[FLASHNORM_MAX_OUTPUTS];
+    return flashnorm::split_runs(problem, runs) > 1;
+}
+
 flashnorm_strategy resolve(flashnorm_problem const& problem)
 {
     if (problem.strategy != FLASHNORM_STRATEGY_AUTO)
         return problem.strategy;
     if (problem.m >= prenorm_min_rows(problem))
         return FLASHNORM_STRATEGY_PRENORM;
+    if (auto_picks_epilogue_scale(problem))
+        return FLASHNORM_STRATEGY_EPILOGUE_SCALE;
     bool const tensor_cores
         = problem.dtype != FLASHNORM_DTYPE_F32 && flashnorm::fused_tensor_core_shape(problem.k, problem.n);
     int64_t const weight = problem.k * problem.n;
@@ -138,7 +160,12 @@ size_t workspace_bytes_for(flashnorm_problem const& problem, flashnorm_strategy 
     switch (strategy)
     {
     case FLASHNORM_STRATEGY_FUSED: return 0;
-    case FLASHNORM_STRATEGY_EPILOGUE_SCALE: return flashnorm::epilogue_scale_workspace_bytes(problem.m);
+    case FLASHNORM_STRATEGY_EPILOGUE_SCALE:
+        // Under AUTO the call may fall back to two_stream (above): room for both.
+        return problem.strategy == FLASHNORM_STRATEGY_AUTO
+            ? std::max(flashnorm::epilogue_scale_workspace_bytes(problem.m),
+                flashnorm::two_stream_layout(problem.m, problem.n, problem.dtype).total)
+            : flashnorm::epilogue_scale_workspace_bytes(problem.m);
     case FLASHNORM_STRATEGY_PRENORM:
     {
         flashnorm::SplitRun runs[FLASHNORM_MAX_OUTPUTS];
@@ -237,11 +264,13 @@ flashnorm_status flashnorm_matmul(flashnorm_context* context, flashnorm_problem 
         splits.offsets[i + 1] = splits.offsets[i] + problem->split_sizes[i];
     }
 
-    flashnorm_strategy const strategy = resolve(*problem);
+    flashnorm_strategy strategy = resolve(*problem);
     if (strategy == FLASHNORM_STRATEGY_EPILOGUE_SCALE)
     {
         char const* const refusal = epilogue_scale_refusal(*context, *problem, x, w);
-        if (*refusal != '\0')
+        if (*refusal != '\0' && problem->strategy == FLASHNORM_STRATEGY_AUTO)
+            strategy = FLASHNORM_STRATEGY_TWO_STREAM;
+        else if (*refusal != '\0')
             return flashnorm::record_error(
                 context, FLASHNORM_STATUS_UNSUPPORTED, "flashnorm_matmul", refusal, "strategy");
     }

@@ -1,8 +1,8 @@
 """The epilogue-scale strategy (one CUTLASS sm90 GEMM scaling rows and storing splits in its
 epilogue, the RMS reduction overlapped through programmatic dependent launch) against a float64
-reference: M from 1 to 4096 (both tile configurations), K and N that are multiples of 8 but not of
+reference: M from 1 to 4096 (every tile configuration), K and N that are multiples of 8 but not of
 the tiles, splits that cut through tiles, tiny row norms, outputs poisoned with NaN and placed so
-that pair stores are misaligned; and the shapes it refuses, with the reason."""
+that the epilogue's 16-byte stores are misaligned; and the shapes it refuses, with the reason."""
 
 from __future__ import annotations
 
@@ -55,10 +55,27 @@ def test_matches_float64_reference(m, dtype, rng):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("m", [640, 1000])
+def test_wide_tiles_with_row_and_split_tails(m, dtype, rng):
+    """K = 2048 and N = 16896 run the 128x256 tiles in clusters of two along M: 5 row blocks (an
+    odd count, so the last cluster is half out of range) or 8 with a partial last one, and a split
+    edge inside a tile (8200)."""
+    cuda_ops = cuda_ops_module()
+    _require_epilogue_scale(cuda_ops)
+    k, splits = 2048, [8200, 4344, 4352]
+    x, w = random_inputs(generator_from(rng), m, k, sum(splits), dtype)
+    outputs = [torch.full((m, size), float("nan"), dtype=dtype, device="cuda") for size in splits]
+    cuda_ops.flashnorm_matmul(x, w, 1e-5, splits=splits, strategy="epilogue_scale", out=outputs)
+    _assert_matches(outputs, x, w, 1e-5, splits, f"m={m} {dtype}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("m", [5, 300])
 def test_outputs_at_odd_addresses_and_nothing_written_around_them(m, dtype, rng):
-    """Outputs 1, 4 and 7 elements into one NaN buffer: the epilogue's pair stores must fall back
-    to single stores where a pair is not 4-byte aligned, and write nothing between the outputs."""
+    """Outputs 1, 4 and 7 elements into one NaN buffer: the epilogue's 16-byte stores must fall
+    back to single stores where eight columns are not 16-byte aligned, and write nothing between
+    the outputs."""
     cuda_ops = cuda_ops_module()
     _require_epilogue_scale(cuda_ops)
     generator = generator_from(rng)
@@ -79,6 +96,25 @@ def test_outputs_at_odd_addresses_and_nothing_written_around_them(m, dtype, rng)
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_auto_region_and_its_fallback_on_unaligned_x(dtype, rng):
+    """AUTO picks epilogue-scale for q|k|v splits with K <= 1024 at 128..1024 rows (kAuto), and
+    where x is not 16-byte aligned runs two_stream in the workspace AUTO sized, not an error."""
+    cuda_ops = cuda_ops_module()
+    _require_epilogue_scale(cuda_ops)
+    generator = generator_from(rng)
+    m, k, splits = 512, 576, [576, 192, 192]
+    assert cuda_ops.resolve_strategy(m, k, sum(splits), dtype, splits) == "epilogue_scale"
+    x, w = random_inputs(generator, m, k, sum(splits), dtype)
+    shifted = torch.cat([x.new_zeros(1), x.flatten()])[1:].view(m, k)  # 2 bytes past a 16-byte boundary
+    for label, operand in (("aligned", x), ("unaligned", shifted)):
+        assert (operand.data_ptr() % 16 == 0) == (label == "aligned")
+        outputs = [torch.full((m, size), float("nan"), dtype=dtype, device="cuda") for size in splits]
+        cuda_ops.flashnorm_matmul(operand, w, 1e-5, splits=splits, strategy="auto", out=outputs)
+        _assert_matches(outputs, operand, w, 1e-5, splits, f"{label} {dtype}")
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize(
     ("dtype", "k", "splits", "reason"),
     [
@@ -88,7 +124,7 @@ def test_outputs_at_odd_addresses_and_nothing_written_around_them(m, dtype, rng)
     ],
     ids=["fp32", "k-tail", "n-tail"],
 )
-def test_refuses_what_it_cannot_run_and_auto_never_picks_it(dtype, k, splits, reason, rng):
+def test_refuses_what_it_cannot_run_and_auto_does_not_pick_it(dtype, k, splits, reason, rng):
     from flashnorm.errors import FlashNormError
 
     cuda_ops = cuda_ops_module()

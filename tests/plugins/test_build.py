@@ -149,6 +149,39 @@ def test_auto_strategy_through_the_python_binding(built_library, monkeypatch):
     assert cuda_ops.join_dropped() is False
 
 
+@pytest.fixture(scope="module")
+def epilogue_scale_built(built_library) -> bool:
+    """Whether that build has the CUTLASS kernel, as CMake says when configuring it again."""
+    configured = _run(["cmake", "-S", str(REPO), "-B", str(built_library.parents[2])], REPO)
+    return "(epilogue-scale strategy built)" in configured
+
+
+def test_auto_epilogue_scale_region(built_library, epilogue_scale_built, monkeypatch):
+    """Built with the CUTLASS kernel, AUTO picks epilogue-scale for 128..1024 rows where the splits
+    form several runs and K <= 1024 (kAuto; measured faster than two_stream on SmolLM2-135M's q|k|v
+    there, kernels/NOTES.md); built without, two_stream. Either way AUTO reserves two_stream's
+    workspace there: the call falls back to two_stream where the device or the pointers refuse
+    the CUTLASS kernel."""
+    import torch
+
+    from flashnorm import cuda_ops
+
+    monkeypatch.setenv("FLASHNORM_LIBRARY", str(built_library))
+    monkeypatch.setattr(cuda_ops, "_library", None)
+    qkv = [576, 192, 192]
+    region = "epilogue_scale" if epilogue_scale_built else "two_stream"
+    for m, expected in ((127, "two_stream"), (128, region), (1024, region), (1025, "two_stream")):
+        assert cuda_ops.resolve_strategy(m, 576, 960, torch.bfloat16, qkv) == expected, m
+    assert cuda_ops.resolve_strategy(512, 576, 960, torch.float16, qkv) == region
+    assert cuda_ops.resolve_strategy(512, 576, 960, torch.float32, qkv) == "two_stream"
+    assert cuda_ops.resolve_strategy(512, 2048, 3072, torch.bfloat16, [2048, 512, 512]) == "two_stream"
+    assert cuda_ops.resolve_strategy(512, 576, 3072, torch.bfloat16, [1536, 1536]) == "prenorm"
+    assert cuda_ops.resolve_strategy(512, 576, 964, torch.bfloat16, [576, 192, 196]) == "two_stream"
+    for m in (128, 1000, 1024):
+        two_stream = cuda_ops.workspace_size(m, 576, qkv, torch.bfloat16, "two_stream")
+        assert cuda_ops.workspace_size(m, 576, qkv, torch.bfloat16) >= two_stream
+
+
 def test_auto_workspace_covers_every_smaller_m(built_library, monkeypatch):
     """The TensorRT plugin sizes one workspace for the profile's largest M: under AUTO that size
     must also hold the strategy picked for any smaller M (two-stream's [M, N] product below the
@@ -159,7 +192,8 @@ def test_auto_workspace_covers_every_smaller_m(built_library, monkeypatch):
 
     monkeypatch.setenv("FLASHNORM_LIBRARY", str(built_library))
     monkeypatch.setattr(cuda_ops, "_library", None)
-    sites = [(576, [1536, 1536]), (2048, [8192, 8192]), (4096, [4096, 1024, 1024]), (130, [24, 72]), (130, [5000])]
+    sites = [(576, [1536, 1536]), (576, [576, 192, 192]), (2048, [8192, 8192]), (4096, [4096, 1024, 1024]),
+             (130, [24, 72]), (130, [5000])]
     for k, splits in sites:
         for dtype in (torch.float32, torch.float16, torch.bfloat16):
             for top in (64, 256, 1024, 4096, 60000):
@@ -168,6 +202,7 @@ def test_auto_workspace_covers_every_smaller_m(built_library, monkeypatch):
                     picked = cuda_ops.resolve_strategy(m, k, sum(splits), dtype, splits)
                     needed = cuda_ops.workspace_size(m, k, splits, dtype, picked)
                     assert needed <= largest, (k, splits, dtype, top, m, picked)
+                    assert cuda_ops.workspace_size(m, k, splits, dtype) <= largest, (k, splits, dtype, top, m)
 
 
 def test_prenorm_side_workspace_only_for_several_runs(built_library, monkeypatch):

@@ -50,8 +50,8 @@ __device__ __forceinline__ void wait_for_reduction()
 }
 
 // The epilogue visitor (root of the fusion tree): value = acc · inv_rms[row], stored from
-// registers to outputs[split(col)][row, col - offset]. Adjacent column pairs of one row and
-// split move as one 4-byte store where the address allows.
+// registers to outputs[split(col)][row, col - offset]. Eight consecutive columns of one row and
+// split move as one 16-byte store where the address allows (reduce(), below).
 template <class Element>
 struct RowScaleSplitStore
 {
@@ -255,88 +255,126 @@ struct RowScaleSplitStore
         }
 
         // Stores through st.global, which the compiler knows cannot touch local or shared memory.
-        CUTLASS_DEVICE static void store_one(Element* address, float value)
-        {
-            Element const rounded(value);
-            __stcg(reinterpret_cast<unsigned short*>(address), reinterpret_cast<unsigned short const&>(rounded));
-        }
-
-        CUTLASS_DEVICE void store_element(int row, int col, float value) const
+        CUTLASS_DEVICE void store_element(int row, int col, Element value) const
         {
             if (row < rows && col < cols)
             {
-                uintptr_t const address = fast_address(row, col, col);
-                if (address != 0)
-                {
-                    store_one(reinterpret_cast<Element*>(address), value);
-                    return;
-                }
-                SplitColumn const target = locate(col);
-                store_one(target.output + row * target.width + target.column, value);
-            }
-        }
-
-        // Two elements: one 4-byte store when they are neighbours in one row of one split at an
-        // aligned address (the accumulator layout's usual case), else one store each. The fallback
-        // repeats store_element's on purpose: one shared address helper measured 1-7 % slower
-        // (kernels/NOTES.md, "Why store_pair repeats").
-        CUTLASS_DEVICE void store_pair(int row, int col, float first, int next_row, int next_col, float second) const
-        {
-            if (row < rows && next_row == row && next_col == col + 1 && next_col < cols)
-            {
-                uintptr_t address = fast_address(row, col, next_col);
+                uintptr_t address = fast_address(row, col, col);
                 if (address == 0)
                 {
                     SplitColumn const target = locate(col);
-                    address = next_col < target.end
-                        ? reinterpret_cast<uintptr_t>(target.output + row * target.width + target.column)
-                        : 0;
+                    address = reinterpret_cast<uintptr_t>(target.output + row * target.width + target.column);
                 }
-                if (address != 0 && address % (2 * sizeof(Element)) == 0)
+                __stcg(reinterpret_cast<unsigned short*>(address), reinterpret_cast<unsigned short const&>(value));
+            }
+        }
+
+        // Eight consecutive columns of one row (two packed per word): one 16-byte store where they
+        // lie in one split at a 16-byte aligned address, else one store each.
+        CUTLASS_DEVICE void store_eight(int row, int col, uint32_t const (&words)[4]) const
+        {
+            if (row < rows && col + 7 < cols)
+            {
+                uintptr_t const address = fast_address(row, col, col + 7);
+                if (address != 0 && address % 16 == 0)
                 {
-                    cutlass::Array<Element, 2> pair;
-                    pair[0] = Element(first);
-                    pair[1] = Element(second);
-                    __stcg(reinterpret_cast<unsigned int*>(address), reinterpret_cast<unsigned int const&>(pair));
+                    __stcg(reinterpret_cast<uint4*>(address), make_uint4(words[0], words[1], words[2], words[3]));
                     return;
                 }
             }
-            store_element(row, col, first);
-            store_element(next_row, next_col, second);
+            CUTLASS_PRAGMA_UNROLL
+            for (int i = 0; i < 8; ++i)
+            {
+                unsigned short const bits = static_cast<unsigned short>(words[i / 2] >> (16 * (i % 2)));
+                store_element(row, col + i, reinterpret_cast<Element const&>(bits));
+            }
         }
 
+        // The scaled values; reduce() stores them once the whole subtile has been visited.
         template <typename ElementAccumulator, int FragmentSize>
-        CUTLASS_DEVICE cutlass::Array<ElementAccumulator, FragmentSize> visit(
+        CUTLASS_DEVICE cutlass::Array<float, FragmentSize> visit(
             cutlass::Array<ElementAccumulator, FragmentSize> const& frg_acc, int epi_v, int epi_m, int epi_n)
         {
             Tensor relative_mn = relative(_, _, _, epi_m, epi_n);
-            int const first_col = cols - int(get<1>(residue));
-            auto const row_of = [&](int i) { return first_row + int(get<0>(relative_mn(epi_v * FragmentSize + i))); };
-            auto const col_of = [&](int i) { return first_col + int(get<1>(relative_mn(epi_v * FragmentSize + i))); };
-            float scaled[FragmentSize];
+            cutlass::Array<float, FragmentSize> scaled;
             CUTLASS_PRAGMA_UNROLL
             for (int i = 0; i < FragmentSize; ++i)
             {
-                int const row = row_of(i);
+                int const row = first_row + int(get<0>(relative_mn(epi_v * FragmentSize + i)));
                 scaled[i] = float(frg_acc[i]) * (row < rows ? scale_of(row) : 0.0f);
             }
-            if constexpr (FragmentSize % 2 == 0)
+            return scaled;
+        }
+
+        // Stores one subtile. In wgmma's accumulator layout the four threads of a quad (lanes 4q..4q+3)
+        // share two rows, r and r + 8, and thread t holds columns 8g + 2t and 8g + 2t + 1 of each
+        // 8-column group g: a 4-byte piece of every group. Four shuffles per group of four turn that
+        // around, so that thread t holds all eight columns of group 4b + t and stores them as one
+        // 16-byte vector: a warp then writes whole 32-byte sectors (8 rows x 32 bytes per store)
+        // instead of half sectors from 4-byte stores (kernels/NOTES.md, "16-byte stores").
+        template <class STensor, class SyncFn, class VTensor>
+        CUTLASS_DEVICE void reduce(STensor&&, SyncFn const&, int epi_m, int epi_n, bool, VTensor visit_results)
+        {
+            using Fragment = typename cute::remove_cvref_t<VTensor>::value_type;
+            constexpr int kFragment = Fragment::kElements;
+            constexpr int kElements = kFragment * decltype(size(visit_results))::value;
+            constexpr int kGroups = kElements / 4; // 8-column groups of each of the thread's two rows
+            static_assert(kElements % 16 == 0, "a subtile must give each thread whole groups of four");
+            Tensor relative_mn = relative(_, _, _, epi_m, epi_n);
+            int const row_zero = int(get<0>(relative_mn(0)));
+            int const col_zero = int(get<1>(relative_mn(0)));
+
+            // pieces[h][g]: columns 8g + 2t, +1 of the thread's row h (offsets are static: these
+            // indices fold to constants).
+            uint32_t pieces[2][kGroups];
+            int row_of[2] = {first_row + row_zero, first_row + row_zero};
+            CUTLASS_PRAGMA_UNROLL
+            for (int e = 0; e < kElements; e += 2)
+            {
+                int const h = int(get<0>(relative_mn(e))) != row_zero ? 1 : 0;
+                int const g = (int(get<1>(relative_mn(e))) - col_zero) / 8;
+                cutlass::Array<Element, 2> pair;
+                pair[0] = Element(visit_results(e / kFragment)[e % kFragment]);
+                pair[1] = Element(visit_results((e + 1) / kFragment)[(e + 1) % kFragment]);
+                pieces[h][g] = reinterpret_cast<uint32_t const&>(pair);
+                row_of[h] = first_row + int(get<0>(relative_mn(e)));
+            }
+
+            int const lane = int(threadIdx.x % 32);
+            int const t = lane % 4;
+            int const quad = lane - t;
+            // Column of group 0's first column: this thread's first column less its 2t.
+            int const group_zero = cols - int(get<1>(residue)) + col_zero - 2 * t;
+            CUTLASS_PRAGMA_UNROLL
+            for (int h = 0; h < 2; ++h)
             {
                 CUTLASS_PRAGMA_UNROLL
-                for (int i = 0; i < FragmentSize; i += 2)
+                for (int block = 0; block < kGroups / 4; ++block)
                 {
-                    store_pair(row_of(i), col_of(i), scaled[i], row_of(i + 1), col_of(i + 1), scaled[i + 1]);
+                    uint32_t words[4] = {};
+                    CUTLASS_PRAGMA_UNROLL
+                    for (int step = 0; step < 4; ++step)
+                    {
+                        // Send my piece of group 4·block + (t + step) % 4; receive group 4·block + t's
+                        // piece from thread (t - step) % 4. Indices by selects, not by a run-time subscript.
+                        int const send_group = (t + step) % 4;
+                        uint32_t send = pieces[h][4 * block];
+                        CUTLASS_PRAGMA_UNROLL
+                        for (int i = 1; i < 4; ++i)
+                        {
+                            send = send_group == i ? pieces[h][4 * block + i] : send;
+                        }
+                        int const source = (t - step + 4) % 4;
+                        uint32_t const received = __shfl_sync(0xffffffffu, send, quad + source);
+                        CUTLASS_PRAGMA_UNROLL
+                        for (int i = 0; i < 4; ++i)
+                        {
+                            words[i] = source == i ? received : words[i];
+                        }
+                    }
+                    store_eight(row_of[h], group_zero + 8 * (4 * block + t), words);
                 }
             }
-            else
-            {
-                CUTLASS_PRAGMA_UNROLL
-                for (int i = 0; i < FragmentSize; ++i)
-                {
-                    store_element(row_of(i), col_of(i), scaled[i]);
-                }
-            }
-            return frg_acc;
         }
     };
 
@@ -351,12 +389,14 @@ struct RowScaleSplitStore
 };
 
 // One GEMM configuration: x [M,K] row-major (A, K-major), W* [K,N] row-major (B, N-major), fp32
-// accumulation, no C, no D (the epilogue node stores).
-template <class Element, class TileShape, class KernelSchedule, class EpilogueSchedule>
+// accumulation, no C, no D (the epilogue node stores). A cluster of ClusterM tiles along M shares
+// each W* tile (TMA multicast).
+template <class Element, class TileShape, class KernelSchedule, class EpilogueSchedule, int ClusterM = 1>
 struct ScaledGemm
 {
+    static constexpr int kClusterM = ClusterM;
     using Store = RowScaleSplitStore<Element>;
-    using ClusterShape = Shape<_1, _1, _1>;
+    using ClusterShape = Shape<Int<ClusterM>, _1, _1>;
     using CollectiveEpilogue = typename cutlass::epilogue::collective::CollectiveBuilder<cutlass::arch::Sm90,
         cutlass::arch::OpClassTensorOp, TileShape, ClusterShape, cutlass::epilogue::collective::EpilogueTileAuto,
         float, float, void, cutlass::layout::RowMajor, kAlignmentElements, void, cutlass::layout::RowMajor,
@@ -383,17 +423,33 @@ using SmallTileGemm = ScaledGemm<Element, Shape<_64, _64, _64>,
     cutlass::gemm::KernelTmaWarpSpecializedPingpong, cutlass::epilogue::TmaWarpSpecialized>;
 // Larger M, both consumer warp groups on one tile (cooperative): 128×128 tiles, or 128×64 where
 // 128×128 ones would leave multiprocessors idle (SmolLM2 qkv at M = 1024: 64 tiles of 128×128 on
-// 132). Measured slower on the H200 and not used (kernels/NOTES.md): 128×256 tiles in clusters of
-// two along M, and ping-pong 64×128 / 64×256 tiles beyond 256 rows.
+// 132); on long K, 128×256 tiles in clusters of two along M where they fill the multiprocessors
+// in waves at least 80 % full. Measured slower on the H200 and not used (kernels/NOTES.md):
+// ping-pong 64×128 / 64×256 tiles beyond 256 rows.
 template <class Element>
 using NarrowTileGemm = ScaledGemm<Element, Shape<_128, _64, _64>, Cooperative, CooperativeEpilogue>;
 template <class Element>
 using LargeTileGemm = ScaledGemm<Element, Shape<_128, _128, _64>, Cooperative, CooperativeEpilogue>;
+template <class Element>
+using WideTileGemm = ScaledGemm<Element, Shape<_128, _256, _64>, Cooperative, CooperativeEpilogue, 2>;
 constexpr int64_t kSmallTileMaxRows = 256;
+constexpr int64_t kWideTileMinK = 2048;
 
 int64_t tile_count(int64_t m, int64_t n, int64_t tile_m, int64_t tile_n)
 {
     return ((m + tile_m - 1) / tile_m) * ((n + tile_n - 1) / tile_n);
+}
+
+// 128×256 tiles pay off where each tile's main loop is long and the last wave is not mostly idle:
+// on the H200 (2026-12-01 23:55 UTC, Nsight Compute) Llama-3.1-8B gate/up at M = 256, 1024, 4096
+// took 108.5 / 334.7 / 1312.9 µs against 115.5 / 413.1 / 1583.6 with 128×128 tiles, while
+// Llama-3.1-8B qkv at M = 1024 (192 wide tiles: the second wave 45 % full) took 105.2 against 91.8
+// and SmolLM2 gate/up at M = 4096 (K = 576) 46.2 against 44.4.
+bool wide_tiles_fit(int64_t m, int64_t k, int64_t n, int sm_count)
+{
+    int64_t const tiles = tile_count(m, n, 128, 256);
+    int64_t const waves = (tiles + sm_count - 1) / sm_count;
+    return m > 128 && k >= kWideTileMinK && tiles >= sm_count && 5 * tiles >= 4 * waves * sm_count;
 }
 
 // inv_rms[m] = rsqrt(mean(x[m,:]²) + eps). Lets the GEMM launched after it (PDL) start at once;
@@ -457,7 +513,7 @@ cudaError_t launch_gemm(Element const* x, Element const* w, int64_t m, int64_t k
     attributes[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
     attributes[0].val.programmaticStreamSerializationAllowed = 1;
     attributes[1].id = cudaLaunchAttributeClusterDimension;
-    attributes[1].val.clusterDim.x = 1;
+    attributes[1].val.clusterDim.x = Gemm::kClusterM;
     attributes[1].val.clusterDim.y = 1;
     attributes[1].val.clusterDim.z = 1;
     cudaLaunchConfig_t config{};
@@ -484,6 +540,10 @@ cudaError_t launch_typed(void const* x, void const* w, int64_t m, int64_t k, int
     }
     auto const* a = static_cast<Element const*>(x);
     auto const* b = static_cast<Element const*>(w);
+    if (wide_tiles_fit(m, k, n, sm_count))
+    {
+        return launch_gemm<WideTileGemm<Element>>(a, b, m, k, n, inv_rms, splits, sm_count, stream);
+    }
     if (m > 128 && tile_count(m, n, 128, 128) >= sm_count)
     {
         return launch_gemm<LargeTileGemm<Element>>(a, b, m, k, n, inv_rms, splits, sm_count, stream);
@@ -506,9 +566,9 @@ cudaError_t configure_epilogue_scale_kernels()
 {
     for (cudaError_t const status :
         {configure_gemm<SmallTileGemm<cutlass::bfloat16_t>>(), configure_gemm<NarrowTileGemm<cutlass::bfloat16_t>>(),
-            configure_gemm<LargeTileGemm<cutlass::bfloat16_t>>(),
+            configure_gemm<LargeTileGemm<cutlass::bfloat16_t>>(), configure_gemm<WideTileGemm<cutlass::bfloat16_t>>(),
             configure_gemm<SmallTileGemm<cutlass::half_t>>(), configure_gemm<NarrowTileGemm<cutlass::half_t>>(),
-            configure_gemm<LargeTileGemm<cutlass::half_t>>()})
+            configure_gemm<LargeTileGemm<cutlass::half_t>>(), configure_gemm<WideTileGemm<cutlass::half_t>>()})
     {
         if (status != cudaSuccess)
         {

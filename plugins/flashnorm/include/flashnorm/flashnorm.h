@@ -53,8 +53,10 @@ typedef enum flashnorm_strategy
                                           rsqrt(mean(x²)+eps) and storing each split straight into its
                                           output. fp16/bf16 with K and N multiples of 8 and 16-byte aligned
                                           x and W*, on compute capability 9.0, in builds that found the
-                                          CUTLASS headers; elsewhere FLASHNORM_STATUS_UNSUPPORTED (AUTO then
-                                          never picks it) */
+                                          CUTLASS headers; elsewhere FLASHNORM_STATUS_UNSUPPORTED. AUTO picks
+                                          it in its measured region only (q|k|v-like splits, K <= 1024,
+                                          128..1024 rows) and runs two_stream instead where the device or
+                                          the pointers refuse it */
 } flashnorm_strategy;
 
 typedef enum flashnorm_status
