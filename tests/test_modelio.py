@@ -450,6 +450,27 @@ def test_read_interface_lists_what_callers_feed_without_reading_weights(external
     _assert_one_line(excinfo, "absent.onnx", "does not exist")
 
 
+@pytest.mark.parametrize("storage", ["external", "inline"])
+def test_read_header_keeps_initializer_names_types_and_shapes_not_values(external_model, storage):
+    """What `validate.bfloat16.precision` needs (each initializer's element type) without the
+    weights: an inline payload is skipped unread, an external one is not opened."""
+    source, weights = external_model
+    if storage == "external":
+        source.with_name("weights.bin").unlink()
+        expected = onnx.load(str(source), load_external_data=False)
+    else:
+        expected = _model(weights)
+        source.write_bytes(expected.SerializeToString())
+    header = modelio.read_header(source)
+    assert [(t.name, t.data_type, list(t.dims)) for t in header.graph.initializer] == [
+        (t.name, t.data_type, list(t.dims)) for t in expected.graph.initializer]
+    assert TensorProto.FLOAT16 in {t.data_type for t in header.graph.initializer}
+    assert all(not t.raw_data and not t.float_data and not t.int64_data for t in header.graph.initializer)
+    assert [t.data_location for t in header.graph.initializer] == [t.data_location for t in expected.graph.initializer]
+    assert list(header.graph.node) == list(expected.graph.node)
+    assert header.ByteSize() < 20_000 < expected.ByteSize() or storage == "external"
+
+
 def test_read_interface_of_a_truncated_inline_model(tmp_path, rng):
     data = _model(_weights(rng)).SerializeToString()
     path = tmp_path / "cut.onnx"

@@ -56,12 +56,12 @@ def _external_range(tensor: onnx.TensorProto, base_dir: Path) -> tuple[Path, int
     return path, offset, length
 
 
-def _parse_model(path: Path, initializer_names_only: bool = False) -> onnx.ModelProto:
+def _parse_model(path: Path, initializer_headers_only: bool = False) -> onnx.ModelProto:
     try:
         size = path.stat().st_size
         progress = ByteProgress(f"loading {path.name}", size)
         with open(path, "rb") as handle:
-            model = wire.read_model(handle, size, progress.step, initializer_names_only)
+            model = wire.read_model(handle, size, progress.step, initializer_headers_only)
         progress.finish()
     except (DecodeError, wire.Truncated):
         too_large = " (over protobuf's 2 GiB limit)" if path.stat().st_size >= wire.PROTOBUF_LIMIT else ""
@@ -117,11 +117,18 @@ class ModelInterface:
     metadata: dict[str, str]
 
 
+def read_header(path: str | os.PathLike[str]) -> onnx.ModelProto:
+    """An ONNX file's model without the values of its initializers: their names, data types and
+    shapes are kept, the payloads (inline or external) are skipped unread. Raises FlashNormError
+    (one line) for a missing or unreadable file or one that is not ONNX."""
+    return _parse_model(_readable_model_file(path), initializer_headers_only=True)
+
+
 def read_interface(path: str | os.PathLike[str]) -> ModelInterface:
     """The inputs, outputs and metadata of an ONNX file, without reading its weights (external
     data, and the payloads of inline initializers, are skipped unread). Raises FlashNormError
     (one line) for a missing or unreadable file or one that is not ONNX."""
-    model = _parse_model(_readable_model_file(path), initializer_names_only=True)
+    model = read_header(path)
     initializers = {tensor.name for tensor in model.graph.initializer}
     return ModelInterface(
         tuple(value for value in model.graph.input if value.name not in initializers),

@@ -76,16 +76,16 @@ def _read_field(handle: IO[bytes], wire_type: int) -> tuple[bytes, int]:
 
 
 def read_model(
-    handle: IO[bytes], end: int, on_bytes: Callable[[int], None], initializer_names_only: bool = False
+    handle: IO[bytes], end: int, on_bytes: Callable[[int], None], initializer_headers_only: bool = False
 ) -> onnx.ModelProto:
     """Parse a ModelProto from a file, one initializer at a time.
 
     `ParseFromString` needs the whole file in memory next to the parsed model: an inline model
     held twice. Here every field except the graph's initializers is gathered as bytes (small)
     and merged at the end; each initializer is read and parsed on its own, straight into the
-    model, so the peak is the model plus its largest tensor. With `initializer_names_only` an
-    initializer keeps only its name and its payload is skipped unread. `on_bytes` is told the
-    size of each initializer read."""
+    model, so the peak is the model plus its largest tensor. With `initializer_headers_only` an
+    initializer keeps its name, type and shape and its payload is skipped unread. `on_bytes` is
+    told the size of each initializer read."""
     model = onnx.ModelProto()
     model_rest, graph_rest = bytearray(), bytearray()
     while (field := _read_key_and_length(handle)) is not None:
@@ -100,8 +100,9 @@ def read_model(
         for inner_number, inner_type, inner_key, inner_head, inner_length in _embedded_fields(
             handle, graph_end, "graph field"
         ):
-            if inner_number == 5 and inner_type == 2 and initializer_names_only:
-                model.graph.initializer.add().name = _read_tensor_name(handle, handle.tell() + inner_length, graph_end)
+            if inner_number == 5 and inner_type == 2 and initializer_headers_only:
+                model.graph.initializer.add().ParseFromString(
+                    _read_tensor_header(handle, handle.tell() + inner_length, graph_end))
             elif inner_number == 5 and inner_type == 2:  # GraphProto.initializer
                 model.graph.initializer.add().ParseFromString(_read_exact(handle, inner_length))
                 on_bytes(inner_length)
@@ -113,18 +114,23 @@ def read_model(
     return model
 
 
-def _read_tensor_name(handle: IO[bytes], tensor_end: int, limit: int) -> str:
-    """A serialized TensorProto's name (field 8), its other fields skipped; leaves `handle` at
-    `tensor_end`."""
+# TensorProto fields that hold the values: float_data, int32_data, string_data, int64_data,
+# raw_data, double_data, uint64_data.
+_TENSOR_PAYLOAD_FIELDS = frozenset({4, 5, 6, 7, 9, 10, 11})
+
+
+def _read_tensor_header(handle: IO[bytes], tensor_end: int, limit: int) -> bytes:
+    """A serialized TensorProto without its values (name, data type, dims, external-data
+    location kept); leaves `handle` at `tensor_end`."""
     if tensor_end > limit:
         raise Truncated
-    name = ""
-    for number, wire_type, _, _, length in _embedded_fields(handle, tensor_end, "initializer"):
-        if number == 8 and wire_type == 2:
-            name = _read_exact(handle, length).decode("utf-8")
-        else:
+    header = bytearray()
+    for number, _, key, head, length in _embedded_fields(handle, tensor_end, "initializer"):
+        if number in _TENSOR_PAYLOAD_FIELDS:
             handle.seek(length, os.SEEK_CUR)
-    return name
+        else:
+            header += key + head + _read_exact(handle, length)
+    return bytes(header)
 
 
 def _embedded_fields(handle: IO[bytes], field_end: int, what: str) -> Iterator[tuple[int, int, bytes, bytes, int]]:

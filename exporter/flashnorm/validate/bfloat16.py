@@ -20,6 +20,8 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
+from flashnorm.modelio import read_header
+
 BFLOAT16, FLOAT = TensorProto.BFLOAT16, TensorProto.FLOAT
 EMULATION = ("float32 copy of the bfloat16 weights on ONNX Runtime, every bfloat16 activation rounded to "
              "bfloat16 where it is produced (ONNX Runtime's CPU provider has no bfloat16 MatMul)")
@@ -138,7 +140,7 @@ def emulating_runner_factory(*, optimization_level: str = "all", float16: bool =
     def build(model_path: str, name: str):
         from polygraphy.backend.onnxrt import OnnxrtRunner
 
-        half = half_type(onnx.load(model_path, load_external_data=False))
+        half = half_type(read_header(model_path))
         if half == BFLOAT16 or (float16 and half == TensorProto.FLOAT16):
             return OnnxrtRunner(lambda: emulated_session(model_path, optimization_level=optimization_level, half=half),
                                 name=name)
@@ -162,7 +164,7 @@ def half_type(model: onnx.ModelProto) -> int:
 def precision(model_path: str | os.PathLike[str]) -> tuple[int, str]:
     """(ONNX element type, how a comparison runs it) for the model at `model_path`: bfloat16
     emulated, float16 on ONNX Runtime as it runs the file, anything else as float32."""
-    kind = half_type(onnx.load(os.fspath(model_path), load_external_data=False))
+    kind = half_type(read_header(model_path))
     if kind == BFLOAT16:
         return kind, f"bfloat16: {EMULATION}"
     if kind == TensorProto.FLOAT16:
