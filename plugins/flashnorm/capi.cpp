@@ -129,8 +129,8 @@ int64_t prenorm_min_rows(flashnorm_problem const& problem)
 // workspace_bytes_for() therefore reserves too.
 bool auto_picks_epilogue_scale(flashnorm_problem const& problem)
 {
-    if (!flashnorm::epilogue_scale_built() || problem.dtype == FLASHNORM_DTYPE_F32 || problem.k % 8 != 0
-        || problem.n % 8 != 0 || problem.k > kAuto.epilogue_scale_max_k || problem.m < kAuto.epilogue_scale_min_rows
+    if (!flashnorm::epilogue_scale_built() || !flashnorm::epilogue_scale_shape_fits(problem.dtype, problem.k, problem.n)
+        || problem.k > kAuto.epilogue_scale_max_k || problem.m < kAuto.epilogue_scale_min_rows
         || problem.m > kAuto.epilogue_scale_max_rows)
         return false;
     flashnorm::SplitRun runs[FLASHNORM_MAX_OUTPUTS];

@@ -105,10 +105,17 @@ inline size_t epilogue_scale_workspace_bytes(int64_t m)
     return (sizeof(float) * static_cast<size_t>(m) + 255) / 256 * 256;
 }
 
-// The CUTLASS GEMM's TMA loads need 16-byte aligned bases and row strides of x and W*.
+// The CUTLASS GEMM has 16-bit operands only, and its TMA loads need row strides of x and W*
+// that are multiples of 16 bytes ...
+inline bool epilogue_scale_shape_fits(flashnorm_dtype dtype, int64_t k, int64_t n)
+{
+    return dtype != FLASHNORM_DTYPE_F32 && k % 8 == 0 && n % 8 == 0;
+}
+
+// ... and 16-byte aligned bases.
 inline bool epilogue_scale_operands_fit(flashnorm_dtype dtype, void const* x, void const* w, int64_t k, int64_t n)
 {
-    return dtype != FLASHNORM_DTYPE_F32 && k % 8 == 0 && n % 8 == 0 && reinterpret_cast<uintptr_t>(x) % 16 == 0
+    return epilogue_scale_shape_fits(dtype, k, n) && reinterpret_cast<uintptr_t>(x) % 16 == 0
         && reinterpret_cast<uintptr_t>(w) % 16 == 0;
 }
 
