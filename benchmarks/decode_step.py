@@ -10,18 +10,30 @@ A static KV cache of 1024 positions per sequence (filled with random values; the
 writes its position and attends over the whole cache under a mask, as a static cache does).
 
 Variants (one step each, all in a CUDA graph, so launch gaps are not measured):
-  eager            F.rms_norm(h, gain) then x @ W, per site (PyTorch's fused norm + cuBLAS)
-  eager+flashnorm  torch.ops.flashnorm.matmul(h, W*, eps, splits) at every norm→projection site
-                   (q|k|v, gate|up, final norm → LM head), W* = diag(g)·W folded in fp32
+  eager            h = h + delta, F.rms_norm(h, gain), then x @ W, per site (PyTorch's fused norm
+                   + cuBLAS)
+  eager+flashnorm  h, *y = torch.ops.flashnorm.add_matmul(h, delta, W*, eps, splits) at every
+                   norm→projection site (q|k|v, gate|up, final norm → LM head), W* = diag(g)·W
+                   folded in fp32: the residual add, the norm and the projection in one call
   compile          torch.compile(fullgraph=True) of the eager layer and head
   compile+flashnorm  the same of the FlashNorm layer and head: the op inside the compiled graph,
-                   which Inductor keeps as the library call where AUTO picks the fused kernel and
-                   compiles to the prenorm arithmetic elsewhere (flashnorm.cuda_ops.inductor_form)
-  compile+fold     torch.compile of the folded model without the library: the weightless norm
-                   x ⊙ rsqrt(mean(x²)+eps), rounded to bf16, then x̂ @ W* (Proposition 1 alone;
-                   Inductor fuses the norm into the kernel that produces x)
+                   which Inductor keeps as the library call where AUTO picks the fused kernel (the
+                   add then runs inside it) and compiles to the add and the prenorm arithmetic
+                   elsewhere (flashnorm.cuda_ops.add_inductor_form)
+  compile+flashnorm-matmul  the same with the add left to Inductor, h = h + delta, then
+                   torch.ops.flashnorm.matmul(h, ...): the op without the residual add
+  compile+fold     torch.compile of the folded model without the library: h = h + delta, the
+                   weightless norm x ⊙ rsqrt(mean(x²)+eps), rounded to bf16, then x̂ @ W*
+                   (Proposition 1 alone; Inductor fuses the add and the norm into one kernel)
 The layer is one function, compiled once per shape and called for every layer with that layer's
 weights (shapes, not identities, are guarded), so compile time does not grow with depth.
+
+Residual adds: every norm→projection site follows a residual add (h + o_proj(a) before the MLP's
+norm, h + down(m) before the next layer's or the final norm). A layer takes (h, delta) and returns
+(h, delta) with its last add still pending, so that the add sits in the same compiled graph as the
+norm after it in every variant, as it would in a whole-model compile: Inductor fuses it into the
+norm's kernel in `compile`, the library runs it inside the fused kernel in `compile+flashnorm`.
+The first layer's delta is a zero tensor (an exact no-op add, in every variant).
 
 Shapes: decode at batch 1, 8, 64 (one token per sequence at position 512) and a 1×512 prefill
 (positions 0..511). Prefill computes the LM head for the last position only, as servers do.
@@ -80,8 +92,9 @@ MODELS = {
     "llama-3.2-1b": Config("Llama-3.2-1B", 2048, 8192, 16, 32, 8, 128256, 500000.0),
 }
 TINY = Config("tiny", 64, 128, 2, 4, 2, 256, 10000.0)
-VARIANTS = ("eager", "eager+flashnorm", "compile", "compile+flashnorm", "compile+fold")
-SITES = ("norm", "flashnorm", "fold")  # how a norm→projection site is computed (see the docstring)
+VARIANTS = ("eager", "eager+flashnorm", "compile", "compile+flashnorm", "compile+flashnorm-matmul", "compile+fold")
+# How a residual add + norm→projection site is computed (see the docstring).
+SITES = ("norm", "flashnorm", "flashnorm-matmul", "fold")
 CACHE = 1024
 DECODE_POSITION = 512
 # (label, batch, tokens per sequence, first position)
@@ -152,23 +165,30 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     return x * cos + rotated * sin
 
 
-def make_site(sites: str, size: int, eps: float) -> Callable[..., list[torch.Tensor]]:
-    """One norm→projection site, h → [split outputs]: `w` is W for "norm", W* for the others."""
+def make_site(sites: str, size: int, eps: float) -> Callable[..., tuple[torch.Tensor, list[torch.Tensor]]]:
+    """One residual add and norm→projection site, (h, delta) → (h + delta, [split outputs]): `w` is
+    W for "norm", W* for the others."""
 
-    def site(h: torch.Tensor, gain: torch.Tensor, w: torch.Tensor, splits: list[int]) -> list[torch.Tensor]:
+    def site(h: torch.Tensor, delta: torch.Tensor, gain: torch.Tensor, w: torch.Tensor,
+             splits: list[int]) -> tuple[torch.Tensor, list[torch.Tensor]]:
         if sites == "flashnorm":
-            return torch.ops.flashnorm.matmul(h, w, eps, splits, "auto")
+            total, *outputs = torch.ops.flashnorm.add_matmul(h, delta, w, eps, splits, "auto")
+            return total, outputs
+        h = h + delta
+        if sites == "flashnorm-matmul":
+            return h, torch.ops.flashnorm.matmul(h, w, eps, splits, "auto")
         if sites == "fold":
             h32 = h.float()
             normalized = (h32 * torch.rsqrt(h32.pow(2).mean(dim=-1, keepdim=True) + eps)).to(h.dtype)
-            return list((normalized @ w).split(splits, dim=-1))
-        return list((F.rms_norm(h, (size,), gain, eps) @ w).split(splits, dim=-1))
+            return h, list((normalized @ w).split(splits, dim=-1))
+        return h, list((F.rms_norm(h, (size,), gain, eps) @ w).split(splits, dim=-1))
 
     return site
 
 
-def make_layer(config: Config, sites: str) -> Callable[..., torch.Tensor]:
-    """One decoder layer: h [B, T, H] → h, writing this step's k/v into the caches at `positions`.
+def make_layer(config: Config, sites: str) -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
+    """One decoder layer: (h, delta) [B, T, H] → (h, delta), the residual stream and its pending add,
+    writing this step's k/v into the caches at `positions`.
     `mask` is [G·T, S] (True: attend), G query heads per KV head stacked along the query axis so
     that one SDPA call over the un-repeated KV cache serves grouped-query attention."""
     h_size, i_size, eps = config.hidden, config.intermediate, config.eps
@@ -177,9 +197,9 @@ def make_layer(config: Config, sites: str) -> Callable[..., torch.Tensor]:
     qkv_splits = config.qkv_splits
     site = make_site(sites, h_size, eps)
 
-    def layer(h, cos, sin, positions, mask, k_cache, v_cache, attn_gain, wqkv, wo, mlp_gain, wgu, wdown):
+    def layer(h, delta, cos, sin, positions, mask, k_cache, v_cache, attn_gain, wqkv, wo, mlp_gain, wgu, wdown):
         batch, tokens, _ = h.shape
-        q, k, v = site(h, attn_gain, wqkv, qkv_splits)
+        h, (q, k, v) = site(h, delta, attn_gain, wqkv, qkv_splits)
         q = _rotate(q.view(batch, tokens, heads, d).transpose(1, 2), cos, sin)
         k = _rotate(k.view(batch, tokens, kv_heads, d).transpose(1, 2), cos, sin)
         v = v.view(batch, tokens, kv_heads, d).transpose(1, 2)
@@ -188,9 +208,8 @@ def make_layer(config: Config, sites: str) -> Callable[..., torch.Tensor]:
         grouped = q.reshape(batch, kv_heads, group * tokens, d)
         attention = F.scaled_dot_product_attention(grouped, k_cache, v_cache, attn_mask=mask)
         attention = attention.reshape(batch, heads, tokens, d).transpose(1, 2).reshape(batch, tokens, heads * d)
-        h = h + attention @ wo
-        gate, up = site(h, mlp_gain, wgu, [i_size, i_size])
-        return h + (F.silu(gate) * up) @ wdown
+        h, (gate, up) = site(h, attention @ wo, mlp_gain, wgu, [i_size, i_size])
+        return h, (F.silu(gate) * up) @ wdown
 
     return layer
 
@@ -200,11 +219,11 @@ def make_head(config: Config, sites: str) -> Callable[..., torch.Tensor]:
     h_size, eps, vocab = config.hidden, config.eps, config.vocab
     site = make_site(sites, h_size, eps)
 
-    def head(h, final_gain, embedding, head_folded):
-        last = h[:, -1]
+    def head(h, delta, final_gain, embedding, head_folded):
+        last, last_delta = h[:, -1], delta[:, -1]
         if sites == "norm":
-            return F.linear(F.rms_norm(last, (h_size,), final_gain, eps), embedding)
-        return site(last, final_gain, head_folded, [vocab])[0]
+            return F.linear(F.rms_norm(last + last_delta, (h_size,), final_gain, eps), embedding)
+        return site(last, last_delta, final_gain, head_folded, [vocab])[1][0]
 
     return head
 
@@ -230,12 +249,13 @@ class Model:
         mask = torch.arange(CACHE, device=tokens.device)[None, :] <= positions[:, None]
         mask = mask.repeat(group, 1)
         h = self.weights.embedding[tokens]
+        delta = torch.zeros_like(h)
         for layer, (k_cache, v_cache) in zip(self.weights.layers, self.caches):
             wqkv = layer["wqkv_folded"] if self.folded else layer["wqkv"]
             wgu = layer["wgu_folded"] if self.folded else layer["wgu"]
-            h = self.layer(h, cos.to(h.dtype), sin.to(h.dtype), positions, mask, k_cache, v_cache,
-                           layer["attn_gain"], wqkv, layer["wo"], layer["mlp_gain"], wgu, layer["wdown"])
-        return self.head(h, self.weights.final_gain, self.weights.embedding, self.weights.head_folded)
+            h, delta = self.layer(h, delta, cos.to(h.dtype), sin.to(h.dtype), positions, mask, k_cache, v_cache,
+                                  layer["attn_gain"], wqkv, layer["wo"], layer["mlp_gain"], wgu, layer["wdown"])
+        return self.head(h, delta, self.weights.final_gain, self.weights.embedding, self.weights.head_folded)
 
 
 def random_caches(config: Config, batch: int, seed: int, device: str) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -360,7 +380,7 @@ def environment() -> dict[str, str]:
 
 
 def smoke() -> list[dict]:
-    """CPU: the tiny model, eager only (the op's CPU arithmetic), both forms against fp32."""
+    """CPU: the tiny model, eager only (the ops' CPU arithmetic), every site form against fp32."""
     master = random_weights(TINY, 0, "cpu")
     tables = rope_tables(TINY, "cpu")
     rows = []

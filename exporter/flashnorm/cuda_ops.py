@@ -3,10 +3,13 @@
 
     y_i = (x · W*)[:, cols_i] ⊙ rsqrt(mean(x², -1) + eps)
 
-Two ways in:
+Ways in:
 
 - ``flashnorm_matmul(x, w, eps, splits, strategy, out=None)``: a direct ctypes call (outputs may
   be supplied with ``out``). torch.compile cannot trace it: it breaks the graph at every call.
+- ``flashnorm_add_matmul(x, residual, w, eps, ...)`` and ``torch.ops.flashnorm.add_matmul``: the
+  residual add in front of the norm (h = x + residual) in the same call; returns h too. In a
+  decode step the fused kernel does the add as it reads x, so the add costs no kernel.
 - ``torch.ops.flashnorm.matmul(x, w, eps, splits, strategy)`` (also ``matmul_op``): the same call
   registered as a PyTorch custom op, with a fake implementation for shapes, so torch.compile
   compiles the model around it without a graph break and CUDA graphs capture it. CUDA tensors run
@@ -103,6 +106,19 @@ def _load() -> ctypes.CDLL:
             ctypes.c_void_p,
         ]
         lib.flashnorm_matmul.restype = ctypes.c_int
+        lib.flashnorm_add_matmul.argtypes = [
+            ctypes.c_void_p,
+            ctypes.POINTER(_Problem),
+            ctypes.c_void_p,
+            ctypes.c_void_p,
+            ctypes.c_void_p,
+            ctypes.c_void_p,
+            ctypes.POINTER(ctypes.c_void_p),
+            ctypes.c_void_p,
+            ctypes.c_size_t,
+            ctypes.c_void_p,
+        ]
+        lib.flashnorm_add_matmul.restype = ctypes.c_int
         lib.flashnorm_status_string.argtypes = [ctypes.c_int]
         lib.flashnorm_status_string.restype = ctypes.c_char_p
         lib.flashnorm_context_last_error.argtypes = [ctypes.c_void_p]
@@ -198,6 +214,40 @@ def flashnorm_matmul(
     (None: one output). Returns one tensor [..., N_i] per split; ``out`` may supply them
     (contiguous, right shape, dtype and device) so that nothing is allocated for outputs.
     """
+    return _library_call(x, None, w, eps, splits, strategy, out)[1]
+
+
+def flashnorm_add_matmul(
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    w: torch.Tensor,
+    eps: float,
+    splits: Sequence[int] | None = None,
+    strategy: str = "auto",
+    out: list[torch.Tensor] | None = None,
+) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """The residual add in front of the norm, as a decoder layer has it: ``h = x + residual``
+    (rounded to x's dtype, as that add computes) and ``flashnorm_matmul(h, w, eps, splits)``, in
+    one library call. Returns ``(h, outputs)``, h shaped like x. The fused kernel forms h as it
+    reads x and writes it from the same launch; the other strategies run the add first. ``out``
+    may supply ``[h, *outputs]`` (contiguous; h must not overlap x or residual)."""
+    if out is not None and len(out) < 1:
+        raise FlashNormError("out must hold the sum h and one tensor per split")
+    total, outputs = _library_call(x, residual, w, eps, splits, strategy, out and out[1:], out and out[0])
+    return total, outputs
+
+
+def _library_call(
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    w: torch.Tensor,
+    eps: float,
+    splits: Sequence[int] | None,
+    strategy: str,
+    out: list[torch.Tensor] | None,
+    out_sum: torch.Tensor | None = None,
+) -> tuple[torch.Tensor | None, list[torch.Tensor]]:
+    """flashnorm_matmul (residual None) or flashnorm_add_matmul: (the sum or None, the outputs)."""
     splits = _checked_splits(x, w, splits, strategy)
     if not x.is_cuda:
         raise FlashNormError(f"x and w are on {x.device}; flashnorm_matmul needs a CUDA device")
@@ -205,6 +255,16 @@ def flashnorm_matmul(
     lead_shape = tuple(x.shape[:-1])
     x2d = x.reshape(-1, k).contiguous()
     m = x2d.shape[0]
+    if residual is not None:
+        _check_residual(x, residual)
+        residual2d = residual.reshape(-1, k).contiguous()
+        if out_sum is None:
+            total = torch.empty_like(x2d)
+        else:
+            _check_residual(x, out_sum)
+            if not out_sum.is_contiguous():
+                raise FlashNormError("the sum's output tensor must be contiguous")
+            total = out_sum.view(m, k)
     if out is None:
         out = [torch.empty(*lead_shape, size, dtype=x.dtype, device=x.device) for size in splits]
     else:
@@ -225,20 +285,31 @@ def flashnorm_matmul(
     workspace = torch.empty(max(workspace_bytes, 1), dtype=torch.uint8, device=x.device)
     pointers = (ctypes.c_void_p * MAX_OUTPUTS)(*[tensor.data_ptr() for tensor in out])
     stream = torch.cuda.current_stream(x.device).cuda_stream
-    status = lib.flashnorm_matmul(
-        context,
-        ctypes.byref(problem),
-        x2d.data_ptr(),
-        w.data_ptr(),
-        pointers,
-        workspace.data_ptr(),
-        workspace_bytes,
-        stream,
-    )
+    workspace_args = (pointers, workspace.data_ptr(), workspace_bytes, stream)
+    if residual is None:
+        status = lib.flashnorm_matmul(context, ctypes.byref(problem), x2d.data_ptr(), w.data_ptr(), *workspace_args)
+    else:
+        status = lib.flashnorm_add_matmul(
+            context,
+            ctypes.byref(problem),
+            x2d.data_ptr(),
+            residual2d.data_ptr(),
+            total.data_ptr(),
+            w.data_ptr(),
+            *workspace_args,
+        )
     if status != 0:
         detail = lib.flashnorm_context_last_error(context).decode()
         raise FlashNormError(f"flashnorm_matmul failed ({lib.flashnorm_status_string(status).decode()}): {detail}")
-    return out
+    return (None if residual is None else total.view(x.shape)), out
+
+
+def _check_residual(x: torch.Tensor, residual: torch.Tensor) -> None:
+    if residual.shape != x.shape or residual.dtype != x.dtype or residual.device != x.device:
+        raise FlashNormError(
+            f"residual {tuple(residual.shape)} {residual.dtype} {residual.device} does not match "
+            f"x {tuple(x.shape)} {x.dtype} {x.device}"
+        )
 
 
 def _checked_splits(x: torch.Tensor, w: torch.Tensor, splits: Sequence[int] | None, strategy: str) -> list[int]:
@@ -271,6 +342,11 @@ def reference_matmul(x: torch.Tensor, w: torch.Tensor, eps: float, splits: Seque
     inv_rms = torch.rsqrt(x32.pow(2).mean(dim=-1, keepdim=True) + eps)
     y = (x32 @ w.float()) * inv_rms
     return [part.to(x.dtype).contiguous() for part in y.split(list(splits), dim=-1)]
+
+
+def reference_add(x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+    """x + residual added in fp32 and rounded once to x's dtype (the library's residual add)."""
+    return (x.float() + residual.float()).to(x.dtype)
 
 
 def _run_op(x: torch.Tensor, w: torch.Tensor, eps: float, splits: list[int], strategy: str) -> list[torch.Tensor]:
@@ -321,10 +397,53 @@ def prenorm_form(x: torch.Tensor, w: torch.Tensor, eps: float, splits: Sequence[
     return [part.contiguous() for part in y.split(list(splits), dim=-1)]
 
 
+def _run_add_op(
+    x: torch.Tensor, residual: torch.Tensor, w: torch.Tensor, eps: float, splits: list[int], strategy: str
+) -> list[torch.Tensor]:
+    splits = _checked_splits(x, w, splits, strategy)
+    _check_residual(x, residual)
+    if x.is_cuda:
+        total, outputs = flashnorm_add_matmul(x, residual, w, eps, splits, strategy)
+        return [total, *outputs]
+    total = reference_add(x, residual)
+    return [total, *reference_matmul(total, w, eps, splits)]
+
+
+def _add_op_shapes(
+    x: torch.Tensor, residual: torch.Tensor, w: torch.Tensor, eps: float, splits: list[int], strategy: str
+) -> list[torch.Tensor]:
+    _check_residual(x, residual)
+    return [x.new_empty(x.shape), *_op_shapes(x, w, eps, splits, strategy)]
+
+
+add_matmul_op = torch.library.custom_op("flashnorm::add_matmul", _run_add_op, mutates_args=())
+add_matmul_op.__doc__ = """``torch.ops.flashnorm.add_matmul(x, residual, w, eps, splits, strategy)``:
+``[h, y_0, y_1, ...]`` with ``h = x + residual`` and ``y_i = (h · w)[..., split_i] ⊙ rsqrt(mean(h², -1) +
+eps)``: the residual add of a decoder layer and the norm→projection after it in one call."""
+add_matmul_op.register_fake(_add_op_shapes)
+library_add_op = torch.library.custom_op("flashnorm::library_add_matmul", _run_add_op, mutates_args=())
+library_add_op.register_fake(_add_op_shapes)
+
+
+def add_inductor_form(
+    x: torch.Tensor, residual: torch.Tensor, w: torch.Tensor, eps: float, splits: list[int], strategy: str
+) -> list[torch.Tensor]:
+    """What Inductor compiles ``torch.ops.flashnorm.add_matmul`` to: the library call where
+    ``inductor_form`` keeps it (the fused kernel, which then also does the add), elsewhere the add
+    and ``prenorm_form`` in PyTorch ops, which Inductor fuses into one kernel before the GEMM."""
+    keep = strategy != "auto" or x.device.type == "cpu" or not all(isinstance(d, int) for d in x.shape)
+    rows = x.numel() // x.shape[-1] if not keep else 0
+    if keep or rows == 0 or resolve_strategy(rows, x.shape[-1], w.shape[1], x.dtype, splits) == "fused":
+        return torch.ops.flashnorm.library_add_matmul(x, residual, w, eps, splits, strategy)
+    total = x + residual
+    return [total, *prenorm_form(total, w, eps, splits)]
+
+
 def _register_inductor_form() -> None:
     from torch._inductor.decomposition import register_decomposition
 
     register_decomposition(torch.ops.flashnorm.matmul.default)(inductor_form)
+    register_decomposition(torch.ops.flashnorm.add_matmul.default)(add_inductor_form)
 
 
 _register_inductor_form()

@@ -176,6 +176,95 @@ size_t workspace_bytes_for(flashnorm_problem const& problem, flashnorm_strategy 
     }
 }
 
+size_t element_bytes(flashnorm_dtype dtype)
+{
+    return dtype == FLASHNORM_DTYPE_F32 ? 4 : 2;
+}
+
+// Whether the `bytes`-long buffers at a and b share a byte.
+bool overlaps(void const* a, void const* b, size_t bytes)
+{
+    auto const first = reinterpret_cast<uintptr_t>(a);
+    auto const second = reinterpret_cast<uintptr_t>(b);
+    return first < second + bytes && second < first + bytes;
+}
+
+// Both entry points: checks, then the strategy's launches; `add` empty for flashnorm_matmul.
+flashnorm_status enqueue(flashnorm_context* context, flashnorm_problem const* problem, void const* x,
+    flashnorm::ResidualAdd const& add, void const* w, void* const* outputs, void* workspace, size_t workspace_bytes,
+    cudaStream_t stream, char const* caller)
+{
+    if (context == nullptr)
+        return FLASHNORM_STATUS_INVALID_ARGUMENT;
+    char const* const error = problem_error(problem);
+    if (*error != '\0')
+        return flashnorm::record_error(context, FLASHNORM_STATUS_INVALID_ARGUMENT, caller, error, "problem");
+    if (problem->m == 0)
+        return FLASHNORM_STATUS_OK;
+    if (x == nullptr || w == nullptr || outputs == nullptr)
+        return flashnorm::record_error(
+            context, FLASHNORM_STATUS_INVALID_ARGUMENT, caller, "null x, w or outputs", "pointers");
+    int device = 0;
+    FLASHNORM_CHECK(context, cudaGetDevice(&device));
+    if (device != context->device)
+        return flashnorm::record_error(context, FLASHNORM_STATUS_INVALID_ARGUMENT, caller,
+            "the current CUDA device is not the one the context was created on", "device");
+
+    flashnorm::OutputSplits splits{};
+    splits.count = problem->num_outputs;
+    splits.offsets[0] = 0;
+    for (int i = 0; i < problem->num_outputs; ++i)
+    {
+        if (outputs[i] == nullptr)
+            return flashnorm::record_error(
+                context, FLASHNORM_STATUS_INVALID_ARGUMENT, caller, "null output pointer", "outputs");
+        splits.outputs[i] = outputs[i];
+        splits.offsets[i + 1] = splits.offsets[i] + problem->split_sizes[i];
+    }
+
+    flashnorm_strategy strategy = resolve(*problem);
+    bool const adds = add.residual != nullptr;
+    if (strategy == FLASHNORM_STRATEGY_FUSED)
+    {
+        FLASHNORM_CHECK(context,
+            flashnorm::launch_fused(problem->dtype, x, add, w, problem->m, problem->k, problem->n, problem->eps,
+                splits, context->sm_count, context->fused_tuning, stream));
+        return FLASHNORM_STATUS_OK;
+    }
+    // The other strategies' first kernels read x more than once or through TMA: the add runs
+    // first on its own, and they read its sum.
+    void const* const input = adds ? add.sum : x;
+    if (strategy == FLASHNORM_STRATEGY_EPILOGUE_SCALE)
+    {
+        char const* const refusal = epilogue_scale_refusal(*context, *problem, input, w);
+        if (*refusal != '\0' && problem->strategy == FLASHNORM_STRATEGY_AUTO)
+            strategy = FLASHNORM_STRATEGY_TWO_STREAM;
+        else if (*refusal != '\0')
+            return flashnorm::record_error(
+                context, FLASHNORM_STATUS_UNSUPPORTED, caller, refusal, "strategy");
+    }
+    size_t const needed = workspace_bytes_for(*problem, strategy);
+    if (workspace == nullptr || workspace_bytes < needed || reinterpret_cast<uintptr_t>(workspace) % 256 != 0)
+        return flashnorm::record_error(context, FLASHNORM_STATUS_WORKSPACE_TOO_SMALL, caller,
+            "workspace missing, smaller than flashnorm_workspace_size() or not 256-byte aligned", "workspace");
+    if (adds)
+    {
+        FLASHNORM_CHECK(
+            context, flashnorm::launch_residual_add(problem->dtype, x, add, problem->m * problem->k, stream));
+    }
+    if (strategy == FLASHNORM_STRATEGY_PRENORM)
+        return flashnorm::run_prenorm(context, *problem, input, w, splits, workspace, stream);
+    if (strategy == FLASHNORM_STRATEGY_EPILOGUE_SCALE)
+    {
+        FLASHNORM_CHECK(context,
+            flashnorm::launch_epilogue_scale(problem->dtype, input, w, problem->m, problem->k, problem->n,
+                problem->eps, splits, static_cast<float*>(workspace), context->sm_count, context->side_delay_cycles,
+                stream));
+        return FLASHNORM_STATUS_OK;
+    }
+    return flashnorm::run_two_stream(context, *problem, input, w, splits, workspace, stream);
+}
+
 } // namespace
 
 extern "C" {
@@ -236,66 +325,33 @@ flashnorm_strategy flashnorm_resolve_strategy(flashnorm_problem const* problem)
 flashnorm_status flashnorm_matmul(flashnorm_context* context, flashnorm_problem const* problem, void const* x,
     void const* w, void* const* outputs, void* workspace, size_t workspace_bytes, cudaStream_t stream)
 {
+    return enqueue(context, problem, x, flashnorm::ResidualAdd{}, w, outputs, workspace, workspace_bytes, stream,
+        "flashnorm_matmul");
+}
+
+flashnorm_status flashnorm_add_matmul(flashnorm_context* context, flashnorm_problem const* problem, void const* x,
+    void const* residual, void* sum, void const* w, void* const* outputs, void* workspace, size_t workspace_bytes,
+    cudaStream_t stream)
+{
+    char const* const caller = "flashnorm_add_matmul";
     if (context == nullptr)
         return FLASHNORM_STATUS_INVALID_ARGUMENT;
-    char const* const error = problem_error(problem);
-    if (*error != '\0')
-        return flashnorm::record_error(context, FLASHNORM_STATUS_INVALID_ARGUMENT, "flashnorm_matmul", error, "problem");
-    if (problem->m == 0)
-        return FLASHNORM_STATUS_OK;
-    if (x == nullptr || w == nullptr || outputs == nullptr)
-        return flashnorm::record_error(
-            context, FLASHNORM_STATUS_INVALID_ARGUMENT, "flashnorm_matmul", "null x, w or outputs", "pointers");
-    int device = 0;
-    FLASHNORM_CHECK(context, cudaGetDevice(&device));
-    if (device != context->device)
-        return flashnorm::record_error(context, FLASHNORM_STATUS_INVALID_ARGUMENT, "flashnorm_matmul",
-            "the current CUDA device is not the one the context was created on", "device");
-
-    flashnorm::OutputSplits splits{};
-    splits.count = problem->num_outputs;
-    splits.offsets[0] = 0;
-    for (int i = 0; i < problem->num_outputs; ++i)
+    if (*problem_error(problem) == '\0' && problem->m > 0)
     {
-        if (outputs[i] == nullptr)
+        if (residual == nullptr || sum == nullptr)
             return flashnorm::record_error(
-                context, FLASHNORM_STATUS_INVALID_ARGUMENT, "flashnorm_matmul", "null output pointer", "outputs");
-        splits.outputs[i] = outputs[i];
-        splits.offsets[i + 1] = splits.offsets[i] + problem->split_sizes[i];
-    }
-
-    flashnorm_strategy strategy = resolve(*problem);
-    if (strategy == FLASHNORM_STRATEGY_EPILOGUE_SCALE)
-    {
-        char const* const refusal = epilogue_scale_refusal(*context, *problem, x, w);
-        if (*refusal != '\0' && problem->strategy == FLASHNORM_STRATEGY_AUTO)
-            strategy = FLASHNORM_STRATEGY_TWO_STREAM;
-        else if (*refusal != '\0')
+                context, FLASHNORM_STATUS_INVALID_ARGUMENT, caller, "null residual or sum", "pointers");
+        // Other blocks still read x and the residual while the first strip writes the sum.
+        size_t const bytes = static_cast<size_t>(problem->m) * static_cast<size_t>(problem->k)
+            * element_bytes(problem->dtype);
+        if (overlaps(sum, x, bytes) || overlaps(sum, residual, bytes))
             return flashnorm::record_error(
-                context, FLASHNORM_STATUS_UNSUPPORTED, "flashnorm_matmul", refusal, "strategy");
+                context, FLASHNORM_STATUS_INVALID_ARGUMENT, caller, "sum overlaps x or residual", "pointers");
     }
-    if (strategy == FLASHNORM_STRATEGY_FUSED)
-    {
-        FLASHNORM_CHECK(context,
-            flashnorm::launch_fused(problem->dtype, x, w, problem->m, problem->k, problem->n, problem->eps, splits,
-                context->sm_count, context->fused_tuning, stream));
-        return FLASHNORM_STATUS_OK;
-    }
-    size_t const needed = workspace_bytes_for(*problem, strategy);
-    if (workspace == nullptr || workspace_bytes < needed || reinterpret_cast<uintptr_t>(workspace) % 256 != 0)
-        return flashnorm::record_error(context, FLASHNORM_STATUS_WORKSPACE_TOO_SMALL, "flashnorm_matmul",
-            "workspace missing, smaller than flashnorm_workspace_size() or not 256-byte aligned", "workspace");
-    if (strategy == FLASHNORM_STRATEGY_PRENORM)
-        return flashnorm::run_prenorm(context, *problem, x, w, splits, workspace, stream);
-    if (strategy == FLASHNORM_STRATEGY_EPILOGUE_SCALE)
-    {
-        FLASHNORM_CHECK(context,
-            flashnorm::launch_epilogue_scale(problem->dtype, x, w, problem->m, problem->k, problem->n, problem->eps,
-                splits, static_cast<float*>(workspace), context->sm_count, context->side_delay_cycles, stream));
-        return FLASHNORM_STATUS_OK;
-    }
-    return flashnorm::run_two_stream(context, *problem, x, w, splits, workspace, stream);
+    return enqueue(context, problem, x, flashnorm::ResidualAdd{residual, sum}, w, outputs, workspace,
+        workspace_bytes, stream, caller);
 }
+
 
 char const* flashnorm_status_string(flashnorm_status status)
 {

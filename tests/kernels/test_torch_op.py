@@ -128,6 +128,63 @@ def test_prenorm_form_is_the_op_arithmetic_rounded_once():
         torch.testing.assert_close(got, wanted, rtol=2e-2, atol=2e-2)
 
 
+def test_add_op_fake_shapes_and_opcheck_on_cpu():
+    """torch.ops.flashnorm.add_matmul: [h, *outputs], h shaped like x; torch's own op checks."""
+    with FakeTensorMode():
+        x = torch.empty(4, 7, 64, dtype=torch.bfloat16)
+        w = torch.empty(64, 96, dtype=torch.bfloat16)
+        outputs = torch.ops.flashnorm.add_matmul(x, torch.empty_like(x), w, 1e-5, [64, 32], "auto")
+    assert [tuple(t.shape) for t in outputs] == [(4, 7, 64), (4, 7, 64), (4, 7, 32)]
+    x, w_qkv, _ = _inputs("cpu", torch.bfloat16, torch.Generator().manual_seed(8))
+    torch.library.opcheck(torch.ops.flashnorm.add_matmul.default, (x, x.flip(0), w_qkv, 1e-5, [16, 16], "auto"))
+
+
+def test_add_op_refuses_a_residual_of_another_shape():
+    x = torch.randn(4, 32)
+    with pytest.raises(FlashNormError, match="residual"):
+        torch.ops.flashnorm.add_matmul(x, torch.randn(4, 31), torch.randn(32, 8), 1e-5, [8], "auto")
+
+
+def test_cpu_add_op_is_the_add_then_the_op():
+    generator = torch.Generator().manual_seed(9)
+    x = torch.randn(6, 40, generator=generator).bfloat16()
+    residual = torch.randn(6, 40, generator=generator).bfloat16()
+    w = torch.randn(40, 24, generator=generator).bfloat16()
+    total, *outputs = torch.ops.flashnorm.add_matmul(x, residual, w, 1e-5, [20, 4], "auto")
+    assert torch.equal(total, x + residual)  # bf16 add: fp32 sum rounded once, as reference_add
+    for got, wanted in zip(outputs, torch.ops.flashnorm.matmul(x + residual, w, 1e-5, [20, 4], "auto")):
+        assert torch.equal(got, wanted)
+
+
+@pytest.mark.parametrize("rows, decomposed", [(8, False), (17, True)])
+def test_add_inductor_form_keeps_the_library_call_only_where_auto_picks_fused(monkeypatch, rows, decomposed):
+    monkeypatch.setattr(cuda_ops, "resolve_strategy", _picks_fused_up_to_16_rows)
+    with FakeTensorMode():
+        x = torch.empty(rows, 64, dtype=torch.bfloat16, device="meta")
+        w = torch.empty(64, 96, dtype=torch.bfloat16, device="meta")
+        graph = torch.fx.experimental.proxy_tensor.make_fx(
+            lambda x, r, w: cuda_ops.add_inductor_form(x, r, w, 1e-5, [64, 32], "auto"), tracing_mode="fake"
+        )(x, x, w)
+    targets = {str(node.target) for node in graph.graph.nodes if node.op == "call_function"}
+    assert ("flashnorm.library_add_matmul.default" in targets) == (not decomposed), targets
+    assert ("aten.add.Tensor" in targets) == decomposed, targets
+
+
+def test_inductor_compiles_the_add_op_on_cpu():
+    torch._dynamo.reset()
+    generator = torch.Generator().manual_seed(10)
+    x, residual = torch.randn(2, 3, 32, generator=generator), torch.randn(2, 3, 32, generator=generator)
+    w = torch.randn(32, 24, generator=generator) / 32**0.5
+
+    def step(h, delta):
+        total, a, b = torch.ops.flashnorm.add_matmul(h, delta, w, 1e-5, [16, 8], "auto")
+        return total * 2, torch.nn.functional.silu(a).sum(-1) + b.sum(-1)
+
+    got = torch.compile(step, fullgraph=True)(x, residual)
+    for a, b in zip(got, step(x, residual)):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
 def test_direct_library_call_needs_cuda():
     x, w_qkv, _ = _inputs("cpu", torch.float32, torch.Generator().manual_seed(4))
     with pytest.raises(FlashNormError, match="needs a CUDA device"):

@@ -25,6 +25,7 @@ ABI = [
     "flashnorm_workspace_size",
     "flashnorm_resolve_strategy",
     "flashnorm_matmul",
+    "flashnorm_add_matmul",
     "flashnorm_status_string",
     "flashnorm_context_last_error",
     "flashnorm_testing_set_side_delay",

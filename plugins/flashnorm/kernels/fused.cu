@@ -14,6 +14,10 @@
 //  * fused_generic_kernel (fp32, and any K or N): CUDA cores, one column per lane, x staged in
 //    shared memory; fp32 stays exact fp32 arithmetic (no TF32). A correctness fallback: AUTO
 //    never picks it (see capi.cpp).
+// Both can take the residual add in front of the norm (ResidualAdd): x + residual is formed as x
+// is read, rounded to T as the separate add would round it, and the blocks of the first strip
+// (each K step is read by exactly one of them) write it out as the sum. A decode step then has no
+// kernel of its own left for the add: it runs in the projection that the norm already runs in.
 #include <algorithm>
 
 #include <cooperative_groups.h>
@@ -38,7 +42,7 @@ constexpr int64_t kMaxGridY = 65535;
 // mma's narrow side and W* needs no padding.
 constexpr int kMmaWarps = 4;
 constexpr int kMmaThreads = kMmaWarps * 32;
-constexpr int kMmaBlocksPerSm = 3;      // resident blocks per multiprocessor (shared memory bound)
+constexpr int kMmaMaxBlocksPerSm = 3;   // resident blocks per multiprocessor (shared memory bound)
 constexpr int kStepRows = 16;           // rows of W* (k) per mma step
 constexpr int kTokenGroupRows = 8;      // the mma's N: tokens per B operand
 constexpr int kMaxTokenGroups = 2;      // 16 rows of x per pass
@@ -46,13 +50,16 @@ constexpr int kMaxCluster = 8;          // the portable cluster-size limit
 
 // A strip is the columns one cluster owns. Wide strips (128 columns: 256 contiguous bytes of each
 // W* row) read W* as a GEMV does; narrow ones (32 columns) give a small W* four times the strips,
-// so its few steps of K spread over more multiprocessors, with a deeper ring per warp.
-template <int StripCols, int Stages>
+// so its few steps of K spread over more multiprocessors, with a deeper ring per warp. With the
+// residual add each stage also holds the residual's fragments (Sources = 2).
+template <int StripCols, int Stages, int Sources = 1>
 struct MmaLayout
 {
     static_assert(StripCols % 16 == 0 && StripCols <= 128, "a strip is whole 16-column mma tiles");
+    static_assert(Sources == 1 || Sources == 2, "x, or x and the residual");
     static constexpr int kStripCols = StripCols;
     static constexpr int kStages = Stages;                   // mma steps in flight per warp
+    static constexpr bool kResidual = Sources == 2;
     static constexpr int kStripTiles = StripCols / 16;
     static constexpr int kRowChunks = StripCols * 2 / 16;    // 16-byte pieces of one strip row
     static constexpr int kCopyRowStride = 32 / kRowChunks;  // rows one copy instruction of a warp covers
@@ -66,11 +73,12 @@ struct MmaLayout
         return c ^ ((r / rows_per_cycle) % pieces);
     }
 
-    // One warp's share of one pipeline stage: 16 rows of the strip of W* and the B fragments of x.
+    // One warp's share of one pipeline stage: 16 rows of the strip of W* and the B fragments of x
+    // (source 0) and of the residual (source 1).
     struct Stage
     {
         uint4 w[kStepRows][kRowChunks];
-        uint32_t x[kMaxTokenGroups][2][32]; // per lane: the pair of k for b0 and for b1
+        uint32_t x[Sources][kMaxTokenGroups][2][32]; // per lane: the pair of k for b0 and for b1
     };
 
     // Accumulators in the mma's fragment order: lane l's four values of tile t and token group g
@@ -89,8 +97,9 @@ struct MmaLayout
     static_assert(2 * sizeof(Fragments) <= kRingBytes, "a warp's ring holds its fragments and the block's sums");
     // Per block: 1 KB reserved by the hardware and under 2 KB of static shared memory (1.3–1.4 KB
     // by ptxas: the sums of squares, cooperative groups); 227 KB is an sm_90 multiprocessor's.
-    static_assert(kMmaBlocksPerSm * (kSharedBytes + 1024 + 2048) <= 227 * 1024,
-        "the fused kernel's shared memory must leave room for kMmaBlocksPerSm blocks per multiprocessor");
+    static constexpr int kBlocksFit = static_cast<int>((227 * 1024) / (kSharedBytes + 1024 + 2048));
+    static constexpr int kBlocksPerSm = kBlocksFit < kMmaMaxBlocksPerSm ? kBlocksFit : kMmaMaxBlocksPerSm;
+    static_assert(kBlocksPerSm >= 2, "the fused kernel's shared memory must leave room for two blocks per multiprocessor");
 };
 
 // Asynchronous global→shared copies; `size` 0 copies nothing and zero-fills (out-of-range data).
@@ -152,6 +161,20 @@ __device__ __forceinline__ void mma_16x8x16<__half>(float (&d)[4], uint32_t cons
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
+// The two 16-bit sums a + b of the pairs packed in `a` and `b`, each added in fp32 and rounded once
+// to T: what the same add in T computes.
+template <typename T>
+__device__ __forceinline__ uint32_t add_pair(uint32_t a, uint32_t b)
+{
+    T const* left = reinterpret_cast<T const*>(&a);
+    T const* right = reinterpret_cast<T const*>(&b);
+    uint32_t sum;
+    T* values = reinterpret_cast<T*>(&sum);
+    values[0] = from_float<T>(to_float(left[0]) + to_float(right[0]));
+    values[1] = from_float<T>(to_float(left[1]) + to_float(right[1]));
+    return sum;
+}
+
 // Sum of squares of the two 16-bit values packed in `pair`.
 template <typename T>
 __device__ __forceinline__ float square_sum_pair(uint32_t pair)
@@ -167,11 +190,12 @@ __device__ __forceinline__ float square_sum_pair(uint32_t pair)
 // streams its 16 rows of the strip per step (whole row pieces of up to 256 bytes, as a GEMV reads)
 // and its x fragments through a Layout::kStages-deep cp.async ring: the copies hold no registers,
 // so kStages - 1 steps stay in flight while one is computed. TokenGroups (1 or 2) B operands of
-// 8 tokens cover up to 16 rows of x.
+// 8 tokens cover up to 16 rows of x. With Layout::kResidual the input is x + residual, which the
+// first strip's blocks store to `sum` (both [m, k]; ignored otherwise).
 template <typename T, int TokenGroups, typename Layout>
-__global__ void __launch_bounds__(kMmaThreads, kMmaBlocksPerSm)
-    fused_mma_kernel(T const* __restrict__ x, T const* __restrict__ w, int64_t m, int64_t k, int64_t n, float eps,
-        OutputSplits splits)
+__global__ void __launch_bounds__(kMmaThreads, Layout::kBlocksPerSm)
+    fused_mma_kernel(T const* __restrict__ x, T const* __restrict__ residual, T* __restrict__ sum, T const* __restrict__ w,
+        int64_t m, int64_t k, int64_t n, float eps, OutputSplits splits)
 {
     constexpr int kPassRows = kTokenGroupRows * TokenGroups;
     constexpr int kStripCols = Layout::kStripCols;
@@ -200,14 +224,18 @@ __global__ void __launch_bounds__(kMmaThreads, kMmaBlocksPerSm)
     int const copy_row = lane / kRowChunks;
     bool const chunk_ok = col0 + 8 * chunk < n;
     T const* x_rows[TokenGroups];
+    int64_t row_offsets[TokenGroups]; // of this lane's token in x, the residual and the sum
     bool x_ok[TokenGroups];
 #pragma unroll
     for (int g = 0; g < TokenGroups; ++g)
     {
         int64_t const token = row0 + g * kTokenGroupRows + group;
         x_ok[g] = token < m;
-        x_rows[g] = x + (x_ok[g] ? token : 0) * k;
+        row_offsets[g] = (x_ok[g] ? token : 0) * k;
+        x_rows[g] = x + row_offsets[g];
     }
+    // Every strip reads all of x; the first one alone writes the sum, each element once.
+    bool const writes_sum = Layout::kResidual && blockIdx.x < unsigned(ranks);
 
     int64_t const steps = (k + kStepRows - 1) / kStepRows;
     int64_t const first = int64_t(rank) * kMmaWarps + warp;
@@ -232,7 +260,11 @@ __global__ void __launch_bounds__(kMmaThreads, kMmaBlocksPerSm)
             {
                 int64_t const pair = k0 + 8 * half + 2 * quad; // k is even: a pair never straddles K
                 bool const ok = x_ok[g] && pair < k;
-                copy_async_4(&stage.x[g][half][lane], ok ? x_rows[g] + pair : x, ok);
+                copy_async_4(&stage.x[0][g][half][lane], ok ? x_rows[g] + pair : x, ok);
+                if constexpr (Layout::kResidual)
+                {
+                    copy_async_4(&stage.x[1][g][half][lane], ok ? residual + row_offsets[g] + pair : residual, ok);
+                }
             }
         }
     };
@@ -263,8 +295,21 @@ __global__ void __launch_bounds__(kMmaThreads, kMmaBlocksPerSm)
 #pragma unroll
         for (int g = 0; g < TokenGroups; ++g)
         {
-            b[g][0] = stage.x[g][0][lane];
-            b[g][1] = stage.x[g][1][lane];
+#pragma unroll
+            for (int half = 0; half < 2; ++half)
+            {
+                b[g][half] = stage.x[0][g][half][lane];
+                if constexpr (Layout::kResidual)
+                {
+                    // Out-of-range pairs were zero-filled in both sources: their sum stays zero.
+                    b[g][half] = add_pair<T>(b[g][half], stage.x[1][g][half][lane]);
+                    int64_t const pair = (first + index * warp_stride) * kStepRows + 8 * half + 2 * quad;
+                    if (writes_sum && x_ok[g] && pair < k)
+                    {
+                        *reinterpret_cast<uint32_t*>(sum + row_offsets[g] + pair) = b[g][half];
+                    }
+                }
+            }
             // Each element of x's 16×8 B tile sits in exactly one lane: the norm is free here.
             ssq[g] += square_sum_pair<T>(b[g][0]) + square_sum_pair<T>(b[g][1]);
         }
@@ -404,10 +449,11 @@ constexpr int kGenericChunk = kThreads; // rows of K staged in shared memory at 
 constexpr int kGenericUnroll = 4;
 
 // MR: rows of x per pass (1, 2, 4, 8 or 16). Warp v handles rows v, v+8, ... of each K chunk.
+// A non-null `residual`: the input is x + residual, which the first column block stores to `sum`.
 template <typename T, int MR>
 __global__ void __launch_bounds__(kThreads)
-    fused_generic_kernel(T const* __restrict__ x, T const* __restrict__ w, int64_t m, int64_t k, int64_t n,
-        float eps, OutputSplits splits)
+    fused_generic_kernel(T const* __restrict__ x, T const* __restrict__ residual, T* __restrict__ sum,
+        T const* __restrict__ w, int64_t m, int64_t k, int64_t n, float eps, OutputSplits splits)
 {
     __shared__ __align__(16) float x_chunk[kGenericChunk][MR];
     __shared__ float partial[kWarps][MR][kGenericCols];
@@ -429,7 +475,15 @@ __global__ void __launch_bounds__(kThreads)
 #pragma unroll
         for (int r = 0; r < MR; ++r)
         {
-            float const v = (r < rows && kk < k) ? to_float(x[(row0 + r) * k + kk]) : 0.f;
+            bool const inside = r < rows && kk < k;
+            float v = inside ? to_float(x[(row0 + r) * k + kk]) : 0.f;
+            if (residual != nullptr && inside)
+            {
+                T const added = from_float<T>(v + to_float(residual[(row0 + r) * k + kk]));
+                v = to_float(added);
+                if (blockIdx.x == 0)
+                    sum[(row0 + r) * k + kk] = added;
+            }
             x_chunk[threadIdx.x][r] = v;
             ssq[r] += v * v;
         }
@@ -526,10 +580,44 @@ cudaError_t launch_row_windows(int64_t m, int64_t rows_per_block, Launch const& 
 
 using WideStrip = MmaLayout<128, 4>;
 using NarrowStrip = MmaLayout<32, 8>;
+// With the residual's fragments in every stage the wide ring leaves room for two blocks per
+// multiprocessor instead of three; the narrow one still fits three.
+using WideStripResidual = MmaLayout<128, 4, 2>;
+using NarrowStripResidual = MmaLayout<32, 8, 2>;
+
+// The residual add's operands as T (both null: none).
+template <typename T>
+struct TypedResidual
+{
+    T const* residual;
+    T* sum;
+
+    explicit TypedResidual(ResidualAdd const& add)
+        : residual(static_cast<T const*>(add.residual))
+        , sum(static_cast<T*>(add.sum))
+    {
+    }
+
+    bool present() const
+    {
+        return residual != nullptr;
+    }
+
+    // The operands seen from row `row0` of a [m, k] problem on.
+    T const* residual_from(int64_t row0, int64_t k) const
+    {
+        return present() ? residual + row0 * k : nullptr;
+    }
+
+    T* sum_from(int64_t row0, int64_t k) const
+    {
+        return present() ? sum + row0 * k : nullptr;
+    }
+};
 
 template <typename T, int TokenGroups, typename Layout>
-cudaError_t launch_mma(T const* x, T const* w, int64_t m, int64_t k, int64_t n, float eps,
-    OutputSplits const& splits, int64_t strips, int cluster_size, cudaStream_t stream)
+cudaError_t launch_mma(T const* x, TypedResidual<T> const& add, T const* w, int64_t m, int64_t k, int64_t n,
+    float eps, OutputSplits const& splits, int64_t strips, int cluster_size, cudaStream_t stream)
 {
     int64_t const pass_rows = kTokenGroupRows * TokenGroups;
     return launch_row_windows(m, pass_rows, [&](int64_t row0, int64_t rows, unsigned blocks_y) {
@@ -546,19 +634,28 @@ cudaError_t launch_mma(T const* x, T const* w, int64_t m, int64_t k, int64_t n, 
         config.attrs = &cluster;
         config.numAttrs = 1;
         // launch_row_windows reads the launch's error through cudaGetLastError.
-        static_cast<void>(cudaLaunchKernelEx(&config, fused_mma_kernel<T, TokenGroups, Layout>, x + row0 * k, w,
-            rows, k, n, eps, shifted<T>(splits, row0)));
+        static_cast<void>(cudaLaunchKernelEx(&config, fused_mma_kernel<T, TokenGroups, Layout>, x + row0 * k,
+            add.residual_from(row0, k), add.sum_from(row0, k), w, rows, k, n, eps, shifted<T>(splits, row0)));
     });
 }
 
 template <typename T, typename Layout>
-cudaError_t launch_mma_rows(T const* x, T const* w, int64_t m, int64_t k, int64_t n, float eps,
-    OutputSplits const& splits, int64_t strips, int cluster_size, cudaStream_t stream)
+cudaError_t launch_mma_rows(T const* x, TypedResidual<T> const& add, T const* w, int64_t m, int64_t k, int64_t n,
+    float eps, OutputSplits const& splits, int64_t strips, int cluster_size, cudaStream_t stream)
 {
     // One B operand (8 tokens) where it covers M: half the mma work and accumulators of two.
     if (m <= kTokenGroupRows)
-        return launch_mma<T, 1, Layout>(x, w, m, k, n, eps, splits, strips, cluster_size, stream);
-    return launch_mma<T, 2, Layout>(x, w, m, k, n, eps, splits, strips, cluster_size, stream);
+        return launch_mma<T, 1, Layout>(x, add, w, m, k, n, eps, splits, strips, cluster_size, stream);
+    return launch_mma<T, 2, Layout>(x, add, w, m, k, n, eps, splits, strips, cluster_size, stream);
+}
+
+template <typename T, typename Layout, typename ResidualLayout>
+cudaError_t launch_mma_layout(T const* x, TypedResidual<T> const& add, T const* w, int64_t m, int64_t k, int64_t n,
+    float eps, OutputSplits const& splits, int64_t strips, int cluster_size, cudaStream_t stream)
+{
+    if (add.present())
+        return launch_mma_rows<T, ResidualLayout>(x, add, w, m, k, n, eps, splits, strips, cluster_size, stream);
+    return launch_mma_rows<T, Layout>(x, add, w, m, k, n, eps, splits, strips, cluster_size, stream);
 }
 
 // Columns per strip. Measured on an H200 (bf16, W* from HBM, M = 1/4/16, forced widths 16/32/128;
@@ -591,47 +688,50 @@ int pick_cluster_size(int64_t strips, int sm_count)
 }
 
 template <typename T, int MR>
-cudaError_t launch_generic(T const* x, T const* w, int64_t m, int64_t k, int64_t n, float eps,
-    OutputSplits const& splits, cudaStream_t stream)
+cudaError_t launch_generic(T const* x, TypedResidual<T> const& add, T const* w, int64_t m, int64_t k, int64_t n,
+    float eps, OutputSplits const& splits, cudaStream_t stream)
 {
     unsigned const blocks_x = static_cast<unsigned>((n + kGenericCols - 1) / kGenericCols);
     return launch_row_windows(m, MR, [&](int64_t row0, int64_t rows, unsigned blocks_y) {
-        fused_generic_kernel<T, MR><<<dim3(blocks_x, blocks_y), kThreads, 0, stream>>>(
-            x + row0 * k, w, rows, k, n, eps, shifted<T>(splits, row0));
+        fused_generic_kernel<T, MR><<<dim3(blocks_x, blocks_y), kThreads, 0, stream>>>(x + row0 * k,
+            add.residual_from(row0, k), add.sum_from(row0, k), w, rows, k, n, eps, shifted<T>(splits, row0));
     });
 }
 
 template <typename T>
-cudaError_t launch_generic_rows(T const* x, T const* w, int64_t m, int64_t k, int64_t n, float eps,
-    OutputSplits const& splits, cudaStream_t stream)
+cudaError_t launch_generic_rows(T const* x, TypedResidual<T> const& add, T const* w, int64_t m, int64_t k,
+    int64_t n, float eps, OutputSplits const& splits, cudaStream_t stream)
 {
     // The fewest rows per pass that cover M (up to 16): no accumulators wasted on absent rows.
     if (m <= 1)
-        return launch_generic<T, 1>(x, w, m, k, n, eps, splits, stream);
+        return launch_generic<T, 1>(x, add, w, m, k, n, eps, splits, stream);
     if (m <= 2)
-        return launch_generic<T, 2>(x, w, m, k, n, eps, splits, stream);
+        return launch_generic<T, 2>(x, add, w, m, k, n, eps, splits, stream);
     if (m <= 4)
-        return launch_generic<T, 4>(x, w, m, k, n, eps, splits, stream);
+        return launch_generic<T, 4>(x, add, w, m, k, n, eps, splits, stream);
     if (m <= 8)
-        return launch_generic<T, 8>(x, w, m, k, n, eps, splits, stream);
-    return launch_generic<T, 16>(x, w, m, k, n, eps, splits, stream);
+        return launch_generic<T, 8>(x, add, w, m, k, n, eps, splits, stream);
+    return launch_generic<T, 16>(x, add, w, m, k, n, eps, splits, stream);
 }
 
 template <typename T>
-cudaError_t launch_fused_16bit(T const* x, T const* w, int64_t m, int64_t k, int64_t n, float eps,
-    OutputSplits const& splits, int sm_count, FusedTuning const& tuning, cudaStream_t stream)
+cudaError_t launch_fused_16bit(T const* x, TypedResidual<T> const& add, T const* w, int64_t m, int64_t k, int64_t n,
+    float eps, OutputSplits const& splits, int sm_count, FusedTuning const& tuning, cudaStream_t stream)
 {
+    bool const residual_aligned = !add.present()
+        || (reinterpret_cast<uintptr_t>(add.residual) % 4 == 0 && reinterpret_cast<uintptr_t>(add.sum) % 4 == 0);
     if (!fused_tensor_core_shape(k, n) || reinterpret_cast<uintptr_t>(w) % 16 != 0
-        || reinterpret_cast<uintptr_t>(x) % 4 != 0)
+        || reinterpret_cast<uintptr_t>(x) % 4 != 0 || !residual_aligned)
     {
-        return launch_generic_rows<T>(x, w, m, k, n, eps, splits, stream);
+        return launch_generic_rows<T>(x, add, w, m, k, n, eps, splits, stream);
     }
     int const strip_cols = tuning.strip_cols > 0 ? tuning.strip_cols : pick_strip_cols(k, n);
     int64_t const strips = (n + strip_cols - 1) / strip_cols;
     int const size = tuning.cluster_size > 0 ? tuning.cluster_size : pick_cluster_size(strips, sm_count);
     if (strip_cols == NarrowStrip::kStripCols)
-        return launch_mma_rows<T, NarrowStrip>(x, w, m, k, n, eps, splits, strips, size, stream);
-    return launch_mma_rows<T, WideStrip>(x, w, m, k, n, eps, splits, strips, size, stream);
+        return launch_mma_layout<T, NarrowStrip, NarrowStripResidual>(
+            x, add, w, m, k, n, eps, splits, strips, size, stream);
+    return launch_mma_layout<T, WideStrip, WideStripResidual>(x, add, w, m, k, n, eps, splits, strips, size, stream);
 }
 
 template <typename T, typename Layout>
@@ -666,7 +766,10 @@ cudaError_t configure_fused_kernels()
 {
     for (cudaError_t const status : {allow_mma_shared_memory<__half, WideStrip>(),
              allow_mma_shared_memory<__half, NarrowStrip>(), allow_mma_shared_memory<__nv_bfloat16, WideStrip>(),
-             allow_mma_shared_memory<__nv_bfloat16, NarrowStrip>()})
+             allow_mma_shared_memory<__nv_bfloat16, NarrowStrip>(), allow_mma_shared_memory<__half, WideStripResidual>(),
+             allow_mma_shared_memory<__half, NarrowStripResidual>(),
+             allow_mma_shared_memory<__nv_bfloat16, WideStripResidual>(),
+             allow_mma_shared_memory<__nv_bfloat16, NarrowStripResidual>()})
     {
         if (status != cudaSuccess)
         {
@@ -676,20 +779,22 @@ cudaError_t configure_fused_kernels()
     return cudaSuccess;
 }
 
-cudaError_t launch_fused(flashnorm_dtype dtype, void const* x, void const* w, int64_t m, int64_t k, int64_t n,
-    float eps, OutputSplits const& splits, int sm_count, FusedTuning const& tuning, cudaStream_t stream)
+cudaError_t launch_fused(flashnorm_dtype dtype, void const* x, ResidualAdd const& add, void const* w, int64_t m,
+    int64_t k, int64_t n, float eps, OutputSplits const& splits, int sm_count, FusedTuning const& tuning,
+    cudaStream_t stream)
 {
     switch (dtype)
     {
     case FLASHNORM_DTYPE_F32:
-        return launch_generic_rows<float>(
-            static_cast<float const*>(x), static_cast<float const*>(w), m, k, n, eps, splits, stream);
+        return launch_generic_rows<float>(static_cast<float const*>(x), TypedResidual<float>(add),
+            static_cast<float const*>(w), m, k, n, eps, splits, stream);
     case FLASHNORM_DTYPE_F16:
-        return launch_fused_16bit<__half>(static_cast<__half const*>(x), static_cast<__half const*>(w), m, k, n, eps,
-            splits, sm_count, tuning, stream);
+        return launch_fused_16bit<__half>(static_cast<__half const*>(x), TypedResidual<__half>(add),
+            static_cast<__half const*>(w), m, k, n, eps, splits, sm_count, tuning, stream);
     case FLASHNORM_DTYPE_BF16:
         return launch_fused_16bit<__nv_bfloat16>(static_cast<__nv_bfloat16 const*>(x),
-            static_cast<__nv_bfloat16 const*>(w), m, k, n, eps, splits, sm_count, tuning, stream);
+            TypedResidual<__nv_bfloat16>(add), static_cast<__nv_bfloat16 const*>(w), m, k, n, eps, splits, sm_count,
+            tuning, stream);
     }
     return cudaErrorInvalidValue;
 }

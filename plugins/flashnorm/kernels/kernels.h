@@ -67,10 +67,25 @@ struct FusedTuning
 // Whether the fused kernel has the forced layout (0 in a field: automatic).
 bool fused_tuning_supported(FusedTuning const& tuning);
 
-// The fused decode kernel: one launch computes x·W*, sum(x²) and the scaled, split outputs.
-// `sm_count` (multiprocessors of the device) sizes the grid.
-cudaError_t launch_fused(flashnorm_dtype dtype, void const* x, void const* w, int64_t m, int64_t k, int64_t n,
-    float eps, OutputSplits const& splits, int sm_count, FusedTuning const& tuning, cudaStream_t stream);
+// The residual add in front of the norm: the norm's input is sum = x + residual (each element added
+// in fp32 and rounded once to the dtype, as the add in that dtype does), stored to `sum`, [m, k]
+// like x. Both null: no add. `sum` overlaps neither x nor residual (capi.cpp checks).
+struct ResidualAdd
+{
+    void const* residual = nullptr;
+    void* sum = nullptr;
+};
+
+// The fused decode kernel: one launch computes x·W*, sum(x²) and the scaled, split outputs, with
+// the residual add where `add` has one. `sm_count` (multiprocessors of the device) sizes the grid.
+cudaError_t launch_fused(flashnorm_dtype dtype, void const* x, ResidualAdd const& add, void const* w, int64_t m,
+    int64_t k, int64_t n, float eps, OutputSplits const& splits, int sm_count, FusedTuning const& tuning,
+    cudaStream_t stream);
+
+// sum = x + residual alone (`count` elements): the residual add of the strategies other than fused,
+// which then read `sum` as their x.
+cudaError_t launch_residual_add(
+    flashnorm_dtype dtype, void const* x, ResidualAdd const& add, int64_t count, cudaStream_t stream);
 
 // Sets the fused kernels' launch attributes on the current device: once, before any launch there
 // (flashnorm_context_create does it, outside any capture).

@@ -106,6 +106,17 @@ FLASHNORM_API flashnorm_status flashnorm_matmul(flashnorm_context* context, flas
     void const* x, void const* w, void* const* outputs, void* workspace, size_t workspace_bytes,
     cudaStream_t stream);
 
+/* The same with the residual add in front of the norm, as a decoder layer has it: sum = x + residual
+ * (each element added in fp32 and rounded once to the dtype, as that add in the dtype computes) is
+ * written to `sum` and is the norm's input: y_i = (sum · W*)[:, cols_i] ⊙ rsqrt(mean(sum²)+eps).
+ * x, residual and sum are [m, k] row-major; sum overlaps neither x nor residual. The fused strategy
+ * forms the sum as it reads x and writes it from the same kernel (a decode step's add then costs no
+ * launch of its own); the others add in a kernel first and read the sum. Workspace as for
+ * flashnorm_matmul. */
+FLASHNORM_API flashnorm_status flashnorm_add_matmul(flashnorm_context* context, flashnorm_problem const* problem,
+    void const* x, void const* residual, void* sum, void const* w, void* const* outputs, void* workspace,
+    size_t workspace_bytes, cudaStream_t stream);
+
 FLASHNORM_API char const* flashnorm_status_string(flashnorm_status status);
 
 /* The last error's detail on this context (thread-unsafe, for messages only). */
