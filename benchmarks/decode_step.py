@@ -339,7 +339,8 @@ def markdown(rows: list[dict]) -> str:
 
 
 def plot(rows: list[dict], path: Path) -> str:
-    """A bar chart of round-1 µs per shape and variant, one panel per model; '' if matplotlib is missing."""
+    """Per model: round-1 µs per shape and variant (top) and each compiled variant's µs relative to
+    torch.compile's (bottom, where the target is); '' if matplotlib is missing."""
     try:
         import matplotlib
 
@@ -348,17 +349,32 @@ def plot(rows: list[dict], path: Path) -> str:
     except ImportError as error:
         return f"no plot: {error}"
     models = list(dict.fromkeys(row["model"] for row in rows))
-    figure, axes = plt.subplots(1, len(models), figsize=(6 * len(models), 4), squeeze=False)
-    for axis, model in zip(axes[0], models):
+    figure, axes = plt.subplots(2, len(models), figsize=(6 * len(models), 7), squeeze=False)
+    for column, model in enumerate(models):
         shapes = list(dict.fromkeys(row["shape"] for row in rows if row["model"] == model))
-        width = 0.8 / len(VARIANTS)
-        for index, variant in enumerate(VARIANTS):
-            times = [next(r["us_round1"] for r in rows if r["model"] == model and r["shape"] == s and r["variant"] == variant)
-                     for s in shapes]
-            axis.bar([x + index * width for x in range(len(shapes))], times, width, label=variant)
+        variants = list(dict.fromkeys(row["variant"] for row in rows if row["model"] == model))
+        us = {(r["shape"], r["variant"]): r["us_round1"] for r in rows if r["model"] == model}
+        width = 0.8 / len(variants)
+        axis = axes[0][column]
+        for index, variant in enumerate(variants):
+            axis.bar([x + index * width for x in range(len(shapes))], [us[s, variant] for s in shapes], width,
+                     label=variant)
         axis.set_xticks([x + 0.4 - width / 2 for x in range(len(shapes))], shapes)
         axis.set_ylabel("µs per step (CUDA-graph replay, median)")
         axis.set_title(f"{model}-shaped, bf16, random weights")
+        axis.legend(fontsize=8)
+        compiled = [v for v in variants if v.startswith("compile+")] if "compile" in variants else []
+        width = 0.8 / max(len(compiled), 1)
+        axis = axes[1][column]
+        ratios = {variant: [us[s, variant] / us[s, "compile"] for s in shapes] for variant in compiled}
+        for index, variant in enumerate(compiled):
+            axis.bar([x + index * width for x in range(len(shapes))], ratios[variant], width, label=variant,
+                     color=f"C{variants.index(variant)}")
+        axis.axhline(1.0, color="black", linewidth=0.8)
+        spread = max([abs(r - 1.0) for values in ratios.values() for r in values] + [0.04])
+        axis.set_ylim(1.0 - 1.2 * spread, 1.0 + 1.2 * spread)
+        axis.set_xticks([x + 0.4 - width / 2 for x in range(len(shapes))], shapes)
+        axis.set_ylabel("µs relative to torch.compile")
         axis.legend(fontsize=8)
     figure.tight_layout()
     figure.savefig(path, dpi=90)
