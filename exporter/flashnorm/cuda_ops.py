@@ -95,7 +95,8 @@ def _load() -> ctypes.CDLL:
         lib.flashnorm_workspace_size.restype = ctypes.c_size_t
         lib.flashnorm_resolve_strategy.argtypes = [ctypes.POINTER(_Problem)]
         lib.flashnorm_resolve_strategy.restype = ctypes.c_int
-        lib.flashnorm_matmul.argtypes = [
+        # context, problem, x, w, outputs, workspace, workspace bytes, stream
+        matmul_args = [
             ctypes.c_void_p,
             ctypes.POINTER(_Problem),
             ctypes.c_void_p,
@@ -105,19 +106,10 @@ def _load() -> ctypes.CDLL:
             ctypes.c_size_t,
             ctypes.c_void_p,
         ]
+        lib.flashnorm_matmul.argtypes = matmul_args
         lib.flashnorm_matmul.restype = ctypes.c_int
-        lib.flashnorm_add_matmul.argtypes = [
-            ctypes.c_void_p,
-            ctypes.POINTER(_Problem),
-            ctypes.c_void_p,
-            ctypes.c_void_p,
-            ctypes.c_void_p,
-            ctypes.c_void_p,
-            ctypes.POINTER(ctypes.c_void_p),
-            ctypes.c_void_p,
-            ctypes.c_size_t,
-            ctypes.c_void_p,
-        ]
+        # ... with the residual and the sum after x
+        lib.flashnorm_add_matmul.argtypes = matmul_args[:3] + [ctypes.c_void_p, ctypes.c_void_p] + matmul_args[3:]
         lib.flashnorm_add_matmul.restype = ctypes.c_int
         lib.flashnorm_status_string.argtypes = [ctypes.c_int]
         lib.flashnorm_status_string.restype = ctypes.c_char_p
