@@ -362,18 +362,24 @@ library_op = torch.library.custom_op("flashnorm::library_matmul", _run_op, mutat
 library_op.register_fake(_op_shapes)
 
 
+def _keeps_library_call(x: torch.Tensor, w: torch.Tensor, splits: list[int], strategy: str) -> bool:
+    """Whether Inductor keeps the op as the library call (see ``inductor_form``)."""
+    if strategy != "auto" or x.device.type == "cpu" or not all(isinstance(d, int) for d in x.shape):
+        return True
+    rows = x.numel() // x.shape[-1]
+    return rows == 0 or resolve_strategy(rows, x.shape[-1], w.shape[1], x.dtype, splits) == "fused"
+
+
 def inductor_form(x: torch.Tensor, w: torch.Tensor, eps: float, splits: list[int], strategy: str) -> list[torch.Tensor]:
     """What Inductor compiles ``torch.ops.flashnorm.matmul`` to: the library call
     (``flashnorm::library_matmul``) where AUTO picks the fused kernel, where the strategy is forced,
     on the CPU, or where the shape is not known at compile time; elsewhere ``prenorm_form``.
 
-    Why: beyond the fused kernel's rows the library's strategies (two_stream, prenorm) lose to what
-    Inductor makes of the prenorm arithmetic, the norm fused into the kernel that produces x and the
-    GEMM on cuBLAS (docs/BENCHMARKS.md, "End-to-end decode step"), until the library has a GEMM with
-    the row scale in its epilogue."""
-    keep = strategy != "auto" or x.device.type == "cpu" or not all(isinstance(d, int) for d in x.shape)
-    rows = x.numel() // x.shape[-1] if not keep else 0
-    if keep or rows == 0 or resolve_strategy(rows, x.shape[-1], w.shape[1], x.dtype, splits) == "fused":
+    Why: beyond the fused kernel's rows the library's strategies (two_stream, prenorm, and the
+    epilogue-scale GEMM so far) lose to what Inductor makes of the prenorm arithmetic, the norm
+    fused into the kernel that produces x and the GEMM on cuBLAS (docs/BENCHMARKS.md, "End-to-end
+    decode step" and the kernel tables)."""
+    if _keeps_library_call(x, w, splits, strategy):
         return torch.ops.flashnorm.library_matmul(x, w, eps, splits, strategy)
     return prenorm_form(x, w, eps, splits)
 
@@ -423,9 +429,7 @@ def add_inductor_form(
     """What Inductor compiles ``torch.ops.flashnorm.add_matmul`` to: the library call where
     ``inductor_form`` keeps it (the fused kernel, which then also does the add), elsewhere the add
     and ``prenorm_form`` in PyTorch ops, which Inductor fuses into one kernel before the GEMM."""
-    keep = strategy != "auto" or x.device.type == "cpu" or not all(isinstance(d, int) for d in x.shape)
-    rows = x.numel() // x.shape[-1] if not keep else 0
-    if keep or rows == 0 or resolve_strategy(rows, x.shape[-1], w.shape[1], x.dtype, splits) == "fused":
+    if _keeps_library_call(x, w, splits, strategy):
         return torch.ops.flashnorm.library_add_matmul(x, residual, w, eps, splits, strategy)
     total = x + residual
     return [total, *prenorm_form(total, w, eps, splits)]
