@@ -225,8 +225,7 @@ def flashnorm_add_matmul(
     may supply ``[h, *outputs]`` (contiguous; h must not overlap x or residual)."""
     if out is not None and len(out) < 1:
         raise FlashNormError("out must hold the sum h and one tensor per split")
-    total, outputs = _library_call(x, residual, w, eps, splits, strategy, out and out[1:], out and out[0])
-    return total, outputs
+    return _library_call(x, residual, w, eps, splits, strategy, out and out[1:], out and out[0])
 
 
 def _library_call(
@@ -248,12 +247,12 @@ def _library_call(
     x2d = x.reshape(-1, k).contiguous()
     m = x2d.shape[0]
     if residual is not None:
-        _check_residual(x, residual)
+        _check_like_x(x, residual)
         residual2d = residual.reshape(-1, k).contiguous()
         if out_sum is None:
             total = torch.empty_like(x2d)
         else:
-            _check_residual(x, out_sum)
+            _check_like_x(x, out_sum, "the sum's output tensor")
             if not out_sum.is_contiguous():
                 raise FlashNormError("the sum's output tensor must be contiguous")
             total = out_sum.view(m, k)
@@ -296,10 +295,11 @@ def _library_call(
     return (None if residual is None else total.view(x.shape)), out
 
 
-def _check_residual(x: torch.Tensor, residual: torch.Tensor) -> None:
-    if residual.shape != x.shape or residual.dtype != x.dtype or residual.device != x.device:
+def _check_like_x(x: torch.Tensor, tensor: torch.Tensor, name: str = "residual") -> None:
+    """`tensor` (the residual, or the sum's output) must have x's shape, dtype and device."""
+    if tensor.shape != x.shape or tensor.dtype != x.dtype or tensor.device != x.device:
         raise FlashNormError(
-            f"residual {tuple(residual.shape)} {residual.dtype} {residual.device} does not match "
+            f"{name} {tuple(tensor.shape)} {tensor.dtype} {tensor.device} does not match "
             f"x {tuple(x.shape)} {x.dtype} {x.device}"
         )
 
@@ -399,7 +399,7 @@ def _run_add_op(
     x: torch.Tensor, residual: torch.Tensor, w: torch.Tensor, eps: float, splits: list[int], strategy: str
 ) -> list[torch.Tensor]:
     splits = _checked_splits(x, w, splits, strategy)
-    _check_residual(x, residual)
+    _check_like_x(x, residual)
     if x.is_cuda:
         total, outputs = flashnorm_add_matmul(x, residual, w, eps, splits, strategy)
         return [total, *outputs]
@@ -410,7 +410,7 @@ def _run_add_op(
 def _add_op_shapes(
     x: torch.Tensor, residual: torch.Tensor, w: torch.Tensor, eps: float, splits: list[int], strategy: str
 ) -> list[torch.Tensor]:
-    _check_residual(x, residual)
+    _check_like_x(x, residual)
     return [x.new_empty(x.shape), *_op_shapes(x, w, eps, splits, strategy)]
 
 

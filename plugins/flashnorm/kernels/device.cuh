@@ -52,6 +52,25 @@ __device__ __forceinline__ float warp_sum(float v)
     return v;
 }
 
+// The elementwise sum a + b of the T values packed in `a` and `b` (one T, a pair in 32 bits, eight
+// in a 16-byte vector), each added in fp32 and rounded once to T: what the add in T computes (the
+// residual add of flashnorm_add_matmul).
+template <typename T, typename Packed>
+__device__ __forceinline__ Packed added(Packed a, Packed b)
+{
+    static_assert(sizeof(Packed) % sizeof(T) == 0, "whole elements of T");
+    T const* left = reinterpret_cast<T const*>(&a);
+    T const* right = reinterpret_cast<T const*>(&b);
+    Packed sum;
+    T* values = reinterpret_cast<T*>(&sum);
+#pragma unroll
+    for (int e = 0; e < int(sizeof(Packed) / sizeof(T)); ++e)
+    {
+        values[e] = from_float<T>(to_float(left[e]) + to_float(right[e]));
+    }
+    return sum;
+}
+
 // Sum of squares (fp32) of the 16 / sizeof(T) elements packed in one 16-byte vector.
 template <typename T>
 __device__ __forceinline__ float square_sum(uint4 const& packed)

@@ -161,20 +161,6 @@ __device__ __forceinline__ void mma_16x8x16<__half>(float (&d)[4], uint32_t cons
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
-// The two 16-bit sums a + b of the pairs packed in `a` and `b`, each added in fp32 and rounded once
-// to T: what the same add in T computes.
-template <typename T>
-__device__ __forceinline__ uint32_t add_pair(uint32_t a, uint32_t b)
-{
-    T const* left = reinterpret_cast<T const*>(&a);
-    T const* right = reinterpret_cast<T const*>(&b);
-    uint32_t sum;
-    T* values = reinterpret_cast<T*>(&sum);
-    values[0] = from_float<T>(to_float(left[0]) + to_float(right[0]));
-    values[1] = from_float<T>(to_float(left[1]) + to_float(right[1]));
-    return sum;
-}
-
 // Sum of squares of the two 16-bit values packed in `pair`.
 template <typename T>
 __device__ __forceinline__ float square_sum_pair(uint32_t pair)
@@ -302,7 +288,7 @@ __global__ void __launch_bounds__(kMmaThreads, Layout::kBlocksPerSm)
                 if constexpr (Layout::kResidual)
                 {
                     // Out-of-range pairs were zero-filled in both sources: their sum stays zero.
-                    b[g][half] = add_pair<T>(b[g][half], stage.x[1][g][half][lane]);
+                    b[g][half] = added<T>(b[g][half], stage.x[1][g][half][lane]);
                     int64_t const pair = (first + index * warp_stride) * kStepRows + 8 * half + 2 * quad;
                     if (writes_sum && x_ok[g] && pair < k)
                     {
@@ -475,14 +461,18 @@ __global__ void __launch_bounds__(kThreads)
 #pragma unroll
         for (int r = 0; r < MR; ++r)
         {
-            bool const inside = r < rows && kk < k;
-            float v = inside ? to_float(x[(row0 + r) * k + kk]) : 0.f;
-            if (residual != nullptr && inside)
+            float v = 0.f;
+            if (r < rows && kk < k)
             {
-                T const added = from_float<T>(v + to_float(residual[(row0 + r) * k + kk]));
-                v = to_float(added);
-                if (blockIdx.x == 0)
-                    sum[(row0 + r) * k + kk] = added;
+                int64_t const at = (row0 + r) * k + kk;
+                T value = x[at];
+                if (residual != nullptr)
+                {
+                    value = added<T>(value, residual[at]);
+                    if (blockIdx.x == 0)
+                        sum[at] = value;
+                }
+                v = to_float(value);
             }
             x_chunk[threadIdx.x][r] = v;
             ssq[r] += v * v;

@@ -25,24 +25,14 @@ __global__ void __launch_bounds__(kAddThreads)
     {
         for (int64_t i = first; i < count / kVec; i += stride)
         {
-            uint4 const a = __ldg(reinterpret_cast<uint4 const*>(x) + i);
-            uint4 const b = __ldg(reinterpret_cast<uint4 const*>(residual) + i);
-            T const* left = reinterpret_cast<T const*>(&a);
-            T const* right = reinterpret_cast<T const*>(&b);
-            uint4 out;
-            T* values = reinterpret_cast<T*>(&out);
-#pragma unroll
-            for (int e = 0; e < kVec; ++e)
-            {
-                values[e] = from_float<T>(to_float(left[e]) + to_float(right[e]));
-            }
-            reinterpret_cast<uint4*>(sum)[i] = out;
+            reinterpret_cast<uint4*>(sum)[i] = added<T>(
+                __ldg(reinterpret_cast<uint4 const*>(x) + i), __ldg(reinterpret_cast<uint4 const*>(residual) + i));
         }
         return;
     }
     for (int64_t i = first; i < count; i += stride)
     {
-        sum[i] = from_float<T>(to_float(x[i]) + to_float(residual[i]));
+        sum[i] = added<T>(x[i], residual[i]);
     }
 }
 
