@@ -99,7 +99,8 @@ CACHE = 1024
 DECODE_POSITION = 512
 # (label, batch, tokens per sequence, first position)
 SHAPES = [("decode b=1", 1, 1, DECODE_POSITION), ("decode b=8", 8, 1, DECODE_POSITION),
-          ("decode b=64", 64, 1, DECODE_POSITION), ("prefill 1x512", 1, 512, 0)]
+          ("decode b=16", 16, 1, DECODE_POSITION), ("decode b=64", 64, 1, DECODE_POSITION),
+          ("prefill 1x512", 1, 512, 0)]
 
 
 @dataclasses.dataclass

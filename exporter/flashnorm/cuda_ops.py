@@ -362,12 +362,27 @@ library_op = torch.library.custom_op("flashnorm::library_matmul", _run_op, mutat
 library_op.register_fake(_op_shapes)
 
 
-def _keeps_library_call(x: torch.Tensor, w: torch.Tensor, splits: list[int], strategy: str) -> bool:
-    """Whether Inductor keeps the op as the library call (see ``inductor_form``)."""
+# Where the fused kernel also does the residual add, Inductor keeps the library call up to 8 rows (one
+# 8-token B operand) everywhere, and up to 16 only while K·N is at most this: with two B operands the
+# add cost the fused kernel 0.9-1.8 µs on 576×3072, 2048×3072 and 2048×16384, which then lost to
+# Inductor's add + norm kernel + cuBLAS at 12 and 16 rows; 0.3 µs on 576×960, which still won
+# (H200, bf16, plugins/flashnorm/kernels/NOTES.md, "The residual add beyond 8 rows").
+_ADD_TWO_GROUP_MAX_WEIGHT = 1 << 20
+
+
+def _keeps_library_call(
+    x: torch.Tensor, w: torch.Tensor, splits: list[int], strategy: str, residual_add: bool = False
+) -> bool:
+    """Whether Inductor keeps the op as the library call (see ``inductor_form``); `residual_add`: the
+    add_matmul op (see ``add_inductor_form``)."""
     if strategy != "auto" or x.device.type == "cpu" or not all(isinstance(d, int) for d in x.shape):
         return True
     rows = x.numel() // x.shape[-1]
-    return rows == 0 or resolve_strategy(rows, x.shape[-1], w.shape[1], x.dtype, splits) == "fused"
+    if rows == 0:
+        return True
+    if resolve_strategy(rows, x.shape[-1], w.shape[1], x.dtype, splits) != "fused":
+        return False
+    return not residual_add or rows <= 8 or x.shape[-1] * w.shape[1] <= _ADD_TWO_GROUP_MAX_WEIGHT
 
 
 def inductor_form(x: torch.Tensor, w: torch.Tensor, eps: float, splits: list[int], strategy: str) -> list[torch.Tensor]:
@@ -427,9 +442,10 @@ def add_inductor_form(
     x: torch.Tensor, residual: torch.Tensor, w: torch.Tensor, eps: float, splits: list[int], strategy: str
 ) -> list[torch.Tensor]:
     """What Inductor compiles ``torch.ops.flashnorm.add_matmul`` to: the library call where
-    ``inductor_form`` keeps it (the fused kernel, which then also does the add), elsewhere the add
-    and ``prenorm_form`` in PyTorch ops, which Inductor fuses into one kernel before the GEMM."""
-    if _keeps_library_call(x, w, splits, strategy):
+    ``inductor_form`` keeps it (the fused kernel, which then also does the add) but for 9 to 16 rows
+    on a larger W* (``_ADD_TWO_GROUP_MAX_WEIGHT``), elsewhere the add and ``prenorm_form`` in
+    PyTorch ops, which Inductor fuses into one kernel before the GEMM."""
+    if _keeps_library_call(x, w, splits, strategy, residual_add=True):
         return torch.ops.flashnorm.library_add_matmul(x, residual, w, eps, splits, strategy)
     total = x + residual
     return [total, *prenorm_form(total, w, eps, splits)]

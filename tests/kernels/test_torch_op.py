@@ -156,14 +156,19 @@ def test_cpu_add_op_is_the_add_then_the_op():
         assert torch.equal(got, wanted)
 
 
-@pytest.mark.parametrize("rows, decomposed", [(8, False), (17, True)])
-def test_add_inductor_form_keeps_the_library_call_only_where_auto_picks_fused(monkeypatch, rows, decomposed):
+@pytest.mark.parametrize(
+    "rows, k, n, decomposed",
+    [(8, 64, 96, False), (16, 64, 96, False), (17, 64, 96, True), (8, 2048, 3072, False), (9, 2048, 3072, True),
+     (16, 576, 960, False), (16, 576, 3072, True)],
+)
+def test_add_inductor_form_keeps_the_library_call_where_the_fused_add_wins(monkeypatch, rows, k, n, decomposed):
+    """Where AUTO picks fused: up to 8 rows, and up to 16 on a small W* only (the measured rule)."""
     monkeypatch.setattr(cuda_ops, "resolve_strategy", _picks_fused_up_to_16_rows)
     with FakeTensorMode():
-        x = torch.empty(rows, 64, dtype=torch.bfloat16, device="meta")
-        w = torch.empty(64, 96, dtype=torch.bfloat16, device="meta")
+        x = torch.empty(rows, k, dtype=torch.bfloat16, device="meta")
+        w = torch.empty(k, n, dtype=torch.bfloat16, device="meta")
         graph = torch.fx.experimental.proxy_tensor.make_fx(
-            lambda x, r, w: cuda_ops.add_inductor_form(x, r, w, 1e-5, [64, 32], "auto"), tracing_mode="fake"
+            lambda x, r, w: cuda_ops.add_inductor_form(x, r, w, 1e-5, [n - 32, 32], "auto"), tracing_mode="fake"
         )(x, x, w)
     targets = {str(node.target) for node in graph.graph.nodes if node.op == "call_function"}
     assert ("flashnorm.library_add_matmul.default" in targets) == (not decomposed), targets
