@@ -362,11 +362,13 @@ library_op = torch.library.custom_op("flashnorm::library_matmul", _run_op, mutat
 library_op.register_fake(_op_shapes)
 
 
-# Where the fused kernel also does the residual add, Inductor keeps the library call up to 8 rows (one
-# 8-token B operand) everywhere, and up to 16 only while K·N is at most this: with two B operands the
-# add cost the fused kernel 0.9-1.8 µs on 576×3072, 2048×3072 and 2048×16384, which then lost to
-# Inductor's add + norm kernel + cuBLAS at 12 and 16 rows; 0.3 µs on 576×960, which still won
-# (H200, bf16, plugins/flashnorm/kernels/NOTES.md, "The residual add beyond 8 rows").
+# Where the fused kernel also does the residual add, Inductor keeps the library call up to
+# _ADD_ONE_GROUP_ROWS rows (one 8-token B operand) everywhere, and up to 16 only while K·N is at
+# most _ADD_TWO_GROUP_MAX_WEIGHT: with two B operands the add cost the fused kernel 0.9-1.8 µs on
+# 576×3072, 2048×3072 and 2048×16384, which then lost to Inductor's add + norm kernel + cuBLAS at
+# 12 and 16 rows; 0.3 µs on 576×960, which still won (H200, bf16, plugins/flashnorm/kernels/NOTES.md,
+# "The residual add beyond 8 rows").
+_ADD_ONE_GROUP_ROWS = 8
 _ADD_TWO_GROUP_MAX_WEIGHT = 1 << 20
 
 
@@ -382,7 +384,9 @@ def _keeps_library_call(
         return True
     if resolve_strategy(rows, x.shape[-1], w.shape[1], x.dtype, splits) != "fused":
         return False
-    return not residual_add or rows <= 8 or x.shape[-1] * w.shape[1] <= _ADD_TWO_GROUP_MAX_WEIGHT
+    if not residual_add or rows <= _ADD_ONE_GROUP_ROWS:
+        return True
+    return x.shape[-1] * w.shape[1] <= _ADD_TWO_GROUP_MAX_WEIGHT
 
 
 def inductor_form(x: torch.Tensor, w: torch.Tensor, eps: float, splits: list[int], strategy: str) -> list[torch.Tensor]:
