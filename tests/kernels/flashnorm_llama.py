@@ -5,20 +5,23 @@ reference is transformers' own `LlamaForCausalLM`; the FlashNorm version is a co
 which every foldable RMSNorm→projection site is replaced by one call of a FlashNorm op:
 
     input_layernorm          → q_proj | k_proj | v_proj    (one call, three outputs)
-    post_attention_layernorm → gate_proj | up_proj          (one call, two outputs)
+    post_attention_layernorm → gate_proj | up_proj          (one call, two outputs, the
+                                                             residual add before it included)
     final norm               → lm_head                      (an untied copy: the embedding keeps
                                                              the unfolded table)
 
 with the gain folded into the weight, W* = diag(g)·Wᵀ in the [K, N] layout the kernel takes,
-and the norm itself replaced by Identity (the op computes rsqrt(mean(x²)+eps) itself).
+and the norms themselves gone (the ops compute rsqrt(mean(x²)+eps) themselves).
 
 A FlashNorm op is any callable `op(x, w_kn, eps, splits) -> list[Tensor]` computing
 `(x · w_kn) ⊙ rsqrt(mean(x², -1) + eps)` split by columns: the real one is
 `flashnorm.cuda_ops.flashnorm_matmul`; `reference_flashnorm_op` is the same math in PyTorch.
-
-Real SmolLM2 weights are not used (they cannot reach the GPU machine); the model is a seeded
-random initialisation of the same architecture with random norm gains, a quarter of them
-negative, so a fold that drops or misplaces a gain changes the logits.
+A FlashNorm add op, `add_op(x, residual, w_kn, eps, splits) -> (h, list[Tensor])`, also forms
+the decoder layer's residual add h = x + residual (rounded once to x's dtype) and runs the op on
+h: the real one is `flashnorm.cuda_ops.flashnorm_add_matmul`, `reference_flashnorm_add_op` the
+same in PyTorch. Each layer's post-attention add runs inside its gate|up call through it, as in
+the decode step of benchmarks/decode_step.py; the add before the next layer's q|k|v (and the
+final norm) stays transformers' own, so both ops run in every layer.
 """
 
 from __future__ import annotations
@@ -32,6 +35,9 @@ import torch
 from torch import nn
 
 FlashNormOp = Callable[[torch.Tensor, torch.Tensor, float, Sequence[int]], list[torch.Tensor]]
+FlashNormAddOp = Callable[
+    [torch.Tensor, torch.Tensor, torch.Tensor, float, Sequence[int]], tuple[torch.Tensor, list[torch.Tensor]]
+]
 
 SMOLLM2_135M = dict(
     hidden_size=576,
@@ -91,6 +97,14 @@ def reference_flashnorm_op(x: torch.Tensor, w: torch.Tensor, eps: float, splits:
     return [part.to(x.dtype) for part in torch.split(y, list(splits), dim=-1)]
 
 
+def reference_flashnorm_add_op(
+    x: torch.Tensor, residual: torch.Tensor, w: torch.Tensor, eps: float, splits: Sequence[int]
+) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """The add op's math in PyTorch: h = x + residual in fp32, rounded once, then the op on h."""
+    total = (x.float() + residual.float()).to(x.dtype)
+    return total, reference_flashnorm_op(total, w, eps, splits)
+
+
 class _FusedSite(nn.Module):
     """One norm→projections site: a single op call whose outputs several projections share.
 
@@ -130,6 +144,34 @@ class _SiteOutput(nn.Module):
         return self.site.outputs_for(x)[self.index]
 
 
+class _AddFusedLayer(nn.Module):
+    """A decoder layer whose post-attention residual add runs inside its gate|up call:
+    h = attention + residual and gate, up = the op on h, in one `add_op` call, then the MLP and
+    its own residual add as transformers computes them. The attention's q|k|v projections are
+    already a FlashNorm site, which also stands in for the input norm."""
+
+    def __init__(
+        self, layer: nn.Module, gate_up_weight: torch.Tensor, eps: float, splits: Sequence[int], add_op: FlashNormAddOp
+    ):
+        super().__init__()
+        self.self_attn = layer.self_attn
+        self.down_proj = layer.mlp.down_proj
+        self.act_fn = layer.mlp.act_fn
+        self.register_buffer("gate_up_weight", gate_up_weight.contiguous())
+        self.eps = float(eps)
+        self.splits = [int(s) for s in splits]
+        self.add_op = add_op
+
+    def forward(self, hidden_states: torch.Tensor, **kwargs) -> torch.Tensor:
+        # Every keyword the model passes its layers (mask, positions, cache, ...) is the
+        # attention's, as in transformers' own LlamaDecoderLayer.
+        attention, _ = self.self_attn(hidden_states=hidden_states, **kwargs)
+        total, (gate, up) = self.add_op(
+            attention.contiguous(), hidden_states.contiguous(), self.gate_up_weight, self.eps, self.splits
+        )
+        return total + self.down_proj(self.act_fn(gate) * up)
+
+
 def _folded_weight(gain: torch.Tensor, linears: Sequence[nn.Linear]) -> torch.Tensor:
     """W* = diag(g)·[W_1ᵀ | W_2ᵀ | ...], [K, N], computed in float64 and returned as float32."""
     for linear in linears:
@@ -139,26 +181,24 @@ def _folded_weight(gain: torch.Tensor, linears: Sequence[nn.Linear]) -> torch.Te
     return (gain.detach().double()[:, None] * w_kn).float()
 
 
-def flashnorm_llama(model: nn.Module, op: FlashNormOp) -> nn.Module:
-    """A float32 copy of `model` in which every norm→projection site calls `op` once.
+def flashnorm_llama(model: nn.Module, op: FlashNormOp, add_op: FlashNormAddOp) -> nn.Module:
+    """A float32 copy of `model` in which every norm→projection site makes one call: `add_op`
+    (the residual add before the norm included) at gate|up, `op` at q|k|v and the LM head.
 
     Fold in float64 from the float32 master weights; cast the result with `.to(dtype)`.
     """
     folded = copy.deepcopy(model)
     eps = float(model.config.rms_norm_eps)
-    for layer in folded.model.layers:
+    for index, layer in enumerate(folded.model.layers):
         attn, mlp = layer.self_attn, layer.mlp
         qkv = [attn.q_proj, attn.k_proj, attn.v_proj]
         site = _FusedSite(_folded_weight(layer.input_layernorm.weight, qkv), eps, [p.out_features for p in qkv], op)
         attn.q_proj, attn.k_proj, attn.v_proj = (_SiteOutput(site, i) for i in range(3))
-        layer.input_layernorm = nn.Identity()
-
         gate_up = [mlp.gate_proj, mlp.up_proj]
-        site = _FusedSite(
-            _folded_weight(layer.post_attention_layernorm.weight, gate_up), eps, [p.out_features for p in gate_up], op
+        gate_up_weight = _folded_weight(layer.post_attention_layernorm.weight, gate_up)
+        folded.model.layers[index] = _AddFusedLayer(
+            layer, gate_up_weight, eps, [p.out_features for p in gate_up], add_op
         )
-        mlp.gate_proj, mlp.up_proj = _SiteOutput(site, 0), _SiteOutput(site, 1)
-        layer.post_attention_layernorm = nn.Identity()
 
     # The LM head is tied to the embedding: fold into an untied copy, never into the shared
     # table (the embedding lookup must keep the unscaled rows).

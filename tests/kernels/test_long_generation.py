@@ -5,8 +5,10 @@ sometimes read the RMS buffer before the side stream had written it. Unit tests 
 perplexity passed; long generations repeated words with a one-step lag. These tests run what
 caught it: a SmolLM2-135M-architecture Llama (seeded random weights, random signed norm
 gains; real weights cannot reach the GPU machine) generating 1024 tokens with a KV cache,
-every norm→projection site replaced by `flashnorm.cuda_ops.flashnorm_matmul` on the folded
-weight, compared step by step with transformers' own model on the same tokens.
+every norm→projection site replaced by one library call on the folded weight
+(`flashnorm.cuda_ops.flashnorm_matmul` at q|k|v and the LM head, `flashnorm_add_matmul` with the
+post-attention residual add at gate|up), compared step by step with transformers' own model on
+the same tokens.
 
 Schedule: a 32-token prefill (the multi-row path), then single-token decode steps (M = 1);
 tokens 0…511 are random, tokens 512…1023 the fp32 reference's greedy choices.
@@ -96,6 +98,13 @@ class _StaleScaleOp:
         y = (x32 @ w.float()) * stale
         return [part.to(x.dtype) for part in torch.split(y, list(splits), dim=-1)]
 
+    def add(
+        self, x: torch.Tensor, residual: torch.Tensor, w: torch.Tensor, eps: float, splits: Sequence[int]
+    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """The add op with the same race: the sum is right, its scale stale."""
+        total = (x.float() + residual.float()).to(x.dtype)
+        return total, self(total, w, eps, splits)
+
 
 def test_harness_passes_exact_math_and_catches_a_stale_scale(rng):
     config = fl.llama_config(
@@ -107,12 +116,13 @@ def test_harness_passes_exact_math_and_catches_a_stale_scale(rng):
     prompt = torch.from_numpy(rng.integers(0, config.vocab_size, schedule.total))
     tokens, reference_logits = fl.run_generation(reference, schedule, prompt)
 
-    exact = fl.flashnorm_llama(reference, fl.reference_flashnorm_op)
+    exact = fl.flashnorm_llama(reference, fl.reference_flashnorm_op, fl.reference_flashnorm_add_op)
     _, exact_logits = fl.run_generation(exact, schedule, prompt, tokens=tokens)
     exact_cmp = fl.compare(reference_logits, exact_logits, tokens, schedule, FP32_TOLERANCE)
     assert _failures(exact_cmp, FP32_TOLERANCE, require_greedy=True) == [], exact_cmp.summary()
 
-    raced = fl.flashnorm_llama(reference, _StaleScaleOp())
+    stale = _StaleScaleOp()
+    raced = fl.flashnorm_llama(reference, stale, stale.add)
     _, raced_logits = fl.run_generation(raced, schedule, prompt, tokens=tokens)
     raced_cmp = fl.compare(reference_logits, raced_logits, tokens, schedule, FP32_TOLERANCE)
     assert _failures(raced_cmp, FP32_TOLERANCE, require_greedy=True), raced_cmp.summary()
@@ -178,8 +188,11 @@ def test_long_generation_matches_reference(request, references, dtype, strategy,
     def op(x, w, eps, splits):
         return cuda_ops.flashnorm_matmul(x, w, eps, splits=splits, strategy=strategy)
 
+    def add_op(x, residual, w, eps, splits):
+        return cuda_ops.flashnorm_add_matmul(x, residual, w, eps, splits=splits, strategy=strategy)
+
     started = time.perf_counter()
-    model = fl.flashnorm_llama(references["master"], op).to("cuda", dtype)
+    model = fl.flashnorm_llama(references["master"], op, add_op).to("cuda", dtype)
     cuda_ops.set_side_delay(side_delay)
     try:
         _, logits = fl.run_generation(model, SCHEDULE, references["prompt"], tokens=references["tokens"])

@@ -5,7 +5,9 @@ same way, so a GEMM epilogue that does not wait for it (griddepcontrol.wait) rea
 narrow splits' GEMMs on the side stream are held back the same way, so a caller's next operation
 not ordered after them reads the previous call's outputs. Every call's inputs have different row
 norms, so such a stale read is wrong by orders of magnitude. 1000 calls run back to back on a
-non-default stream and every one must be right.
+non-default stream and every one must be right; each strategy runs both entry points, the plain
+call and the one with the residual add in front (whose side work reads the sum the add kernel
+wrote on the main stream just before).
 
 Mutation proof: the same test against a build made with -DFLASHNORM_TESTING_DROP_JOIN=ON
 (FLASHNORM_LIBRARY pointing at it) must FAIL; plugins/flashnorm/tests/run_gpu.sh runs both.
@@ -34,7 +36,8 @@ SIDE_DELAY_CYCLES = 200_000  # ≈100 µs at H200 clocks: far longer than the GE
     ],
     ids=str,
 )
-def test_back_to_back_calls_with_delayed_side_stream_stay_correct(dtype, strategy, rng):
+@pytest.mark.parametrize("residual_add", [False, True], ids=["matmul", "add_matmul"])
+def test_back_to_back_calls_with_delayed_side_stream_stay_correct(dtype, strategy, residual_add, rng):
     cuda_ops = cuda_ops_module()
     if not cuda_ops.strategy_available(strategy):
         pytest.skip(f"{strategy} is not in this library build or not on this device")
@@ -43,6 +46,7 @@ def test_back_to_back_calls_with_delayed_side_stream_stay_correct(dtype, strateg
     n = sum(splits)
     xs, w = random_inputs(generator, CALLS * m, k, n, dtype)
     xs = xs.reshape(CALLS, m, k)
+    residuals = random_inputs(generator, CALLS * m, k, 1, dtype)[0].reshape(CALLS, m, k) if residual_add else None
     outputs = torch.full((CALLS, m, n), float("nan"), dtype=dtype, device="cuda")
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
@@ -55,13 +59,25 @@ def test_back_to_back_calls_with_delayed_side_stream_stay_correct(dtype, strateg
         with torch.cuda.stream(stream):
             for call in range(CALLS):
                 pieces = list(torch.split(outputs[call], splits, dim=-1))
-                results.append(cuda_ops.flashnorm_matmul(xs[call], w, 1e-5, splits=splits, strategy=strategy))
-                for piece, result in zip(pieces, results[-1]):
-                    piece.copy_(result)
+                if residual_add:
+                    total, result = cuda_ops.flashnorm_add_matmul(
+                        xs[call], residuals[call], w, 1e-5, splits=splits, strategy=strategy
+                    )
+                    results.append([total, *result])
+                else:
+                    result = cuda_ops.flashnorm_matmul(xs[call], w, 1e-5, splits=splits, strategy=strategy)
+                    results.append(result)
+                for piece, part in zip(pieces, result):
+                    piece.copy_(part)
         torch.cuda.synchronize()
     finally:
         cuda_ops.set_side_delay(0)
-    errors = row_errors(outputs.reshape(CALLS * m, n), reference(xs.reshape(CALLS * m, k), w, 1e-5))
+    inputs = xs.reshape(CALLS * m, k)
+    if residual_add:
+        inputs = cuda_ops.reference_add(inputs, residuals.reshape(CALLS * m, k))
+        sums = torch.stack([result[0] for result in results]).reshape(CALLS * m, k)
+        assert torch.equal(sums, inputs), "a call's sum differs from x + residual"
+    errors = row_errors(outputs.reshape(CALLS * m, n), reference(inputs, w, 1e-5))
     bad_calls = (errors.reshape(CALLS, m) > TOLERANCE[dtype]).any(dim=1).nonzero().flatten().tolist()
     assert not bad_calls, (
         f"{len(bad_calls)} of {CALLS} calls wrong (first {bad_calls[:10]}, worst row error "
