@@ -191,6 +191,26 @@ def test_prenorm_rows_longer_than_registers(m, dtype, rng):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("m", [1, 300])
+def test_prenorm_rows_at_the_one_warp_limit(m, dtype, rng):
+    """The normalize kernel runs a row in one warp up to 128 16-byte vectors (K = 1024 in 16-bit,
+    512 in fp32) and in its block-wide kernel beyond: the last K of one, the first of the other, and
+    a short row (fewer vectors than lanes); two equal splits, so the kernel also writes the GEMM's
+    pointer table."""
+    cuda_ops = cuda_ops_module()
+    generator = generator_from(rng)
+    per_vector = 128 // torch.finfo(dtype).bits  # elements in 16 bytes
+    for k in (128 * per_vector, 129 * per_vector, 3 * per_vector):
+        x, w = random_inputs(generator, m, k, 96, dtype)
+        outputs = [torch.full((m, 48), float("nan"), dtype=dtype, device="cuda") for _ in range(2)]
+        cuda_ops.flashnorm_matmul(x, w, 1e-5, splits=[48, 48], strategy="prenorm", out=outputs)
+        for got, wanted in zip(outputs, torch.split(prenorm_reference(x, w, 1e-5), [48, 48], dim=-1)):
+            worst = row_errors(got, wanted).max().item()
+            assert worst <= TOLERANCE[dtype], f"m={m} k={k} {dtype}: worst row error {worst:.3g}"
+
+
+@pytest.mark.gpu
 def test_leading_dimensions_and_allocated_outputs(rng):
     cuda_ops = cuda_ops_module()
     generator = generator_from(rng)
