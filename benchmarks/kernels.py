@@ -392,6 +392,7 @@ def crossover_lines(rows: list[dict], sites: Sequence[Site]) -> str:
 def summary_lines(rows: list[dict]) -> str:
     decode = [r for r in rows if r["m"] <= 16]
     prefill = [r for r in rows if r["m"] >= 1024]
+
     def met(key: str, selected: list[dict]) -> str:
         return f"{sum(ok for r in selected for ok in r[key].values())}/{sum(len(r[key]) for r in selected)}"
 

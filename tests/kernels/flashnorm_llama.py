@@ -22,6 +22,10 @@ h: the real one is `flashnorm.cuda_ops.flashnorm_add_matmul`, `reference_flashno
 same in PyTorch. Each layer's post-attention add runs inside its gate|up call through it, as in
 the decode step of benchmarks/decode_step.py; the add before the next layer's q|k|v (and the
 final norm) stays transformers' own, so both ops run in every layer.
+
+Real SmolLM2 weights are not used (they cannot reach the GPU machine); the model is a seeded
+random initialisation of the same architecture with random norm gains, a quarter of them
+negative, so a fold that drops or misplaces a gain changes the logits.
 """
 
 from __future__ import annotations
