@@ -175,7 +175,8 @@ def resolve_strategy(
     m: int, k: int, n: int, dtype: torch.dtype = torch.bfloat16, splits: Sequence[int] | None = None
 ) -> str:
     """The strategy ``"auto"`` picks for an [m, k] × [k, n] problem split into ``splits`` (None: one
-    output): ``"fused"``, ``"two_stream"`` or ``"prenorm"`` (which depends on the narrowest split)."""
+    output): ``"fused"``, ``"two_stream"``, ``"prenorm"`` (which depends on the narrowest split) or,
+    in builds with the CUTLASS kernel, ``"epilogue_scale"``."""
     splits = [n] if splits is None else [int(size) for size in splits]
     if sum(splits) != n:
         raise FlashNormError(f"splits {splits} must sum to N={n}")
@@ -205,6 +206,9 @@ def flashnorm_matmul(
     contiguous with the norm gain already folded in, ``splits`` are column counts summing to N
     (None: one output). Returns one tensor [..., N_i] per split; ``out`` may supply them
     (contiguous, right shape, dtype and device) so that nothing is allocated for outputs.
+    Where column views of one output serve the caller (q, k, v as ``(x @ W).split(...)`` gives
+    them), one split is faster beyond the fused kernel's rows: one GEMM covers all of N
+    (docs/BENCHMARKS.md, "One output").
     """
     return _library_call(x, None, w, eps, splits, strategy, out)[1]
 
