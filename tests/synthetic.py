@@ -2,7 +2,8 @@
 
 Each builder returns a shape-inferred `onnx.ModelProto` whose graph input `x` is normalized
 by one spelling and read by linear projections. Gains are random with some negative values.
-Other test modules import `build_norm_model`, `build_attention_block`, `SPELLINGS`, `run`.
+Other test modules import `build_norm_model`, `build_attention_block`, `SPELLINGS`, `run`, and
+`float64_model` (a float64 copy of a model, for reference runs).
 """
 
 from __future__ import annotations
@@ -430,6 +431,54 @@ def run(model: onnx.ModelProto | str, inputs: dict[str, np.ndarray]) -> list[np.
     source = model if isinstance(model, str) else model.SerializeToString()
     session = ort.InferenceSession(source, options, providers=["CPUExecutionProvider"])
     return session.run(None, inputs)
+
+
+def float64_model(model: onnx.ModelProto) -> onnx.ModelProto:
+    """A copy of a float32 model computing in float64, for reference runs: float32 initializers,
+    tensor constants, Casts to float and graph inputs and outputs become float64, in the graph and
+    in its local functions; a Constant given as value_float(s) (a function's eps) gets a Cast after
+    it. Intermediate value_info is dropped, for ONNX Runtime to infer again."""
+    copy = onnx.ModelProto()
+    copy.CopyFrom(model)
+
+    def widen(tensor: onnx.TensorProto) -> None:
+        if tensor.data_type == TensorProto.FLOAT:
+            tensor.CopyFrom(numpy_helper.from_array(numpy_helper.to_array(tensor).astype(np.float64), tensor.name))
+
+    def widen_nodes(nodes) -> list[onnx.NodeProto]:
+        result = []
+        for node in nodes:
+            result.append(node)
+            for attribute in node.attribute:
+                if attribute.name == "to" and attribute.i == TensorProto.FLOAT:
+                    attribute.i = TensorProto.DOUBLE
+                elif attribute.type == onnx.AttributeProto.TENSOR:
+                    widen(attribute.t)
+                elif attribute.type == onnx.AttributeProto.GRAPH:
+                    widen_graph(attribute.g)
+            if node.op_type == "Constant" and node.attribute[0].name in ("value_float", "value_floats"):
+                narrow = f"{node.output[0]}.float32"
+                result.append(helper.make_node("Cast", [narrow], [node.output[0]], to=TensorProto.DOUBLE))
+                node.output[0] = narrow
+        return result
+
+    def widen_graph(graph: onnx.GraphProto) -> None:
+        for tensor in graph.initializer:
+            widen(tensor)
+        nodes = widen_nodes(graph.node)
+        del graph.node[:]
+        graph.node.extend(nodes)
+        for value in [*graph.input, *graph.output]:
+            if value.type.tensor_type.elem_type == TensorProto.FLOAT:
+                value.type.tensor_type.elem_type = TensorProto.DOUBLE
+        del graph.value_info[:]
+
+    widen_graph(copy.graph)
+    for function in copy.functions:
+        nodes = widen_nodes(function.node)
+        del function.node[:]
+        function.node.extend(nodes)
+    return copy
 
 
 def relative_error(actual: np.ndarray, expected: np.ndarray) -> float:

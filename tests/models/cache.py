@@ -158,6 +158,26 @@ def optimized(model_path: Path, passes: Sequence[str] = ("fold", "cancel"), *, u
     return path, report
 
 
+def float64(model_path: Path) -> Path:
+    """A float64 copy of `model_path` (synthetic.float64_model), cached beside it: the float64
+    reference a float32 model's rounding is measured against."""
+    import inspect
+
+    import onnx
+
+    from synthetic import float64_model
+
+    key = hashlib.sha256(inspect.getsource(float64_model).encode()).hexdigest()[:12]
+    path = model_path.with_name(f"{model_path.stem}.float64.{key}.onnx")
+    if not path.exists():
+        started = time.monotonic()
+        partial = path.with_name(f"{path.name}.partial")
+        onnx.save(float64_model(onnx.load(str(model_path))), str(partial))
+        partial.rename(path)
+        _TIMINGS[path.name] = time.monotonic() - started
+    return path
+
+
 def timings() -> dict[str, float]:
     """Seconds spent producing each cached file in this session (cache hits cost nothing)."""
     return dict(_TIMINGS)
