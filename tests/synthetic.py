@@ -445,9 +445,9 @@ def float64_model(model: onnx.ModelProto) -> onnx.ModelProto:
         if tensor.data_type == TensorProto.FLOAT:
             tensor.CopyFrom(numpy_helper.from_array(numpy_helper.to_array(tensor).astype(np.float64), tensor.name))
 
-    def widen_nodes(nodes) -> list[onnx.NodeProto]:
+    def widen_nodes(owner: onnx.GraphProto | onnx.FunctionProto) -> None:
         result = []
-        for node in nodes:
+        for node in owner.node:
             result.append(node)
             for attribute in node.attribute:
                 if attribute.name == "to" and attribute.i == TensorProto.FLOAT:
@@ -460,14 +460,13 @@ def float64_model(model: onnx.ModelProto) -> onnx.ModelProto:
                 narrow = f"{node.output[0]}.float32"
                 result.append(helper.make_node("Cast", [narrow], [node.output[0]], to=TensorProto.DOUBLE))
                 node.output[0] = narrow
-        return result
+        del owner.node[:]
+        owner.node.extend(result)
 
     def widen_graph(graph: onnx.GraphProto) -> None:
         for tensor in graph.initializer:
             widen(tensor)
-        nodes = widen_nodes(graph.node)
-        del graph.node[:]
-        graph.node.extend(nodes)
+        widen_nodes(graph)
         for value in [*graph.input, *graph.output]:
             if value.type.tensor_type.elem_type == TensorProto.FLOAT:
                 value.type.tensor_type.elem_type = TensorProto.DOUBLE
@@ -475,9 +474,7 @@ def float64_model(model: onnx.ModelProto) -> onnx.ModelProto:
 
     widen_graph(copy.graph)
     for function in copy.functions:
-        nodes = widen_nodes(function.node)
-        del function.node[:]
-        function.node.extend(nodes)
+        widen_nodes(function)
     return copy
 
 

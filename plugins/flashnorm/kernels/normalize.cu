@@ -13,6 +13,48 @@ constexpr int kNormalizeMaxThreads = 256; // one block per row
 constexpr int64_t kMaxGrid = int64_t(1) << 30;
 static_assert(3 * FLASHNORM_MAX_OUTPUTS <= 32, "the first warp of block 0 writes the whole pointer table");
 
+// A row held in registers, shared by both kernels: this thread's 16-byte vectors first + j·stride
+// (j < kNormalizeItems, those below `vectors`), every load issued before any arithmetic. Returns
+// the sum of their squares.
+template <typename T, typename Index>
+__device__ __forceinline__ float load_row_vectors(
+    uint4 const* row, int64_t vectors, Index first, Index stride, uint4 (&cached)[kNormalizeItems])
+{
+#pragma unroll
+    for (int j = 0; j < kNormalizeItems; ++j)
+    {
+        if (first + Index(j) * stride < vectors)
+        {
+            cached[j] = __ldg(row + first + Index(j) * stride);
+        }
+    }
+    float sum = 0.f;
+#pragma unroll
+    for (int j = 0; j < kNormalizeItems; ++j)
+    {
+        if (first + Index(j) * stride < vectors)
+        {
+            sum += square_sum<T>(cached[j]);
+        }
+    }
+    return sum;
+}
+
+// Writes the vectors load_row_vectors read, each scaled by `scale`.
+template <typename T, typename Index>
+__device__ __forceinline__ void store_row_vectors(
+    uint4* row, int64_t vectors, Index first, Index stride, uint4 const (&cached)[kNormalizeItems], float scale)
+{
+#pragma unroll
+    for (int j = 0; j < kNormalizeItems; ++j)
+    {
+        if (first + Index(j) * stride < vectors)
+        {
+            row[first + Index(j) * stride] = scaled<T>(cached[j], scale);
+        }
+    }
+}
+
 // One block per row (grid-stride). When the row fits in the block's registers (vectorized and
 // K ≤ kNormalizeItems·blockDim·vector width) every load is issued before the reduction and the
 // row is scaled from registers: x is read from HBM once and a block never waits on a second pass.
@@ -38,24 +80,8 @@ __global__ void __launch_bounds__(kNormalizeMaxThreads)
         float sum = 0.f;
         if (in_registers)
         {
-#pragma unroll
-            for (int j = 0; j < kNormalizeItems; ++j)
-            {
-                int64_t const i = threadIdx.x + int64_t(j) * blockDim.x;
-                if (i < vectors)
-                {
-                    cached[j] = __ldg(reinterpret_cast<uint4 const*>(x_row) + i);
-                }
-            }
-#pragma unroll
-            for (int j = 0; j < kNormalizeItems; ++j)
-            {
-                int64_t const i = threadIdx.x + int64_t(j) * blockDim.x;
-                if (i < vectors)
-                {
-                    sum += square_sum<T>(cached[j]);
-                }
-            }
+            sum = load_row_vectors<T>(reinterpret_cast<uint4 const*>(x_row), vectors, int64_t(threadIdx.x),
+                int64_t(blockDim.x), cached);
         }
         else
         {
@@ -79,15 +105,8 @@ __global__ void __launch_bounds__(kNormalizeMaxThreads)
 
         if (in_registers)
         {
-#pragma unroll
-            for (int j = 0; j < kNormalizeItems; ++j)
-            {
-                int64_t const i = threadIdx.x + int64_t(j) * blockDim.x;
-                if (i < vectors)
-                {
-                    reinterpret_cast<uint4*>(out_row)[i] = scaled<T>(cached[j], scale);
-                }
-            }
+            store_row_vectors<T>(
+                reinterpret_cast<uint4*>(out_row), vectors, int64_t(threadIdx.x), int64_t(blockDim.x), cached, scale);
         }
         else if (vectorized)
         {
@@ -120,35 +139,10 @@ __global__ void __launch_bounds__(32) normalize_rows_warp_kernel(
     {
         pointers.destination[threadIdx.x] = pointers.values[threadIdx.x];
     }
-    uint4 const* const x_row = x + blockIdx.x * vectors;
-    uint4* const out_row = normalized + blockIdx.x * vectors;
     uint4 cached[kNormalizeItems];
-    float sum = 0.f;
-#pragma unroll
-    for (int j = 0; j < kNormalizeItems; ++j)
-    {
-        if (threadIdx.x + 32 * j < vectors)
-        {
-            cached[j] = __ldg(x_row + threadIdx.x + 32 * j);
-        }
-    }
-#pragma unroll
-    for (int j = 0; j < kNormalizeItems; ++j)
-    {
-        if (threadIdx.x + 32 * j < vectors)
-        {
-            sum += square_sum<T>(cached[j]);
-        }
-    }
+    float const sum = load_row_vectors<T>(x + blockIdx.x * vectors, vectors, threadIdx.x, 32u, cached);
     float const scale = rsqrtf(warp_sum(sum) / k + eps);
-#pragma unroll
-    for (int j = 0; j < kNormalizeItems; ++j)
-    {
-        if (threadIdx.x + 32 * j < vectors)
-        {
-            out_row[threadIdx.x + 32 * j] = scaled<T>(cached[j], scale);
-        }
-    }
+    store_row_vectors<T>(normalized + blockIdx.x * vectors, vectors, threadIdx.x, 32u, cached, scale);
 }
 
 template <typename T>
