@@ -242,6 +242,8 @@ int main()
         {FLASHNORM_DTYPE_F16, fused, 4, 64, {64}, 0, true},              // captured fused
         {FLASHNORM_DTYPE_F32, prenorm, 3, 100, {30, 41}, 0, false},      // scalar normalize, unaligned W slice
         {FLASHNORM_DTYPE_BF16, prenorm, 5, 96, {32, 16, 16}, 0, false},  // row held in registers
+        {FLASHNORM_DTYPE_BF16, prenorm, 3, 1024, {64, 32}, 0, false},    // the one-warp row's limit
+        {FLASHNORM_DTYPE_F16, prenorm, 3, 1032, {64, 32}, 0, false},     // ... one vector over: block kernel
         {FLASHNORM_DTYPE_BF16, prenorm, 3, 8200, {24, 8}, 0, false},     // row longer than the registers hold
         {FLASHNORM_DTYPE_F16, prenorm, 19, 130, {24, 72}, 0, true},      // captured prenorm, K tail
         {FLASHNORM_DTYPE_BF16, prenorm, 70, 256, {64, 64, 64}, 0, true},   // captured, equal splits
