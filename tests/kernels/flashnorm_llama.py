@@ -23,9 +23,9 @@ same in PyTorch. Each layer's post-attention add runs inside its gate|up call th
 the decode step of benchmarks/decode_step.py; the add before the next layer's q|k|v (and the
 final norm) stays transformers' own, so both ops run in every layer.
 
-Real SmolLM2 weights are not used (they cannot reach the GPU machine); the model is a seeded
-random initialisation of the same architecture with random norm gains, a quarter of them
-negative, so a fold that drops or misplaces a gain changes the logits.
+`random_llama` is a seeded random initialisation of the architecture with random norm gains, a
+quarter of them negative, so a fold that drops or misplaces a gain changes the logits; the
+long-generation test also folds the real trained SmolLM2-135M the same way.
 """
 
 from __future__ import annotations
