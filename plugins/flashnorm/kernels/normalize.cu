@@ -13,6 +13,17 @@ constexpr int kNormalizeMaxThreads = 256; // one block per row
 constexpr int64_t kMaxGrid = int64_t(1) << 30;
 static_assert(3 * FLASHNORM_MAX_OUTPUTS <= 32, "the first warp of block 0 writes the whole pointer table");
 
+// Block 0's first lanes write the batched GEMM's pointer table (the table the GEMM after this
+// kernel reads), in both kernels below. Taken by value, as the kernels take it (a reference
+// changes their generated code).
+__device__ __forceinline__ void write_pointer_table(PointerTable pointers)
+{
+    if (blockIdx.x == 0 && threadIdx.x < pointers.count)
+    {
+        pointers.destination[threadIdx.x] = pointers.values[threadIdx.x];
+    }
+}
+
 // A row held in registers, shared by both kernels: this thread's 16-byte vectors first + j·stride
 // (j < kNormalizeItems, those below `vectors`), every load issued before any arithmetic. Returns
 // the sum of their squares.
@@ -63,10 +74,7 @@ __global__ void __launch_bounds__(kNormalizeMaxThreads)
     normalize_rows_kernel(T const* __restrict__ x, T* __restrict__ normalized, int64_t m, int64_t k, float eps,
         bool vectorized, PointerTable pointers)
 {
-    if (blockIdx.x == 0 && threadIdx.x < pointers.count)
-    {
-        pointers.destination[threadIdx.x] = pointers.values[threadIdx.x];
-    }
+    write_pointer_table(pointers);
     constexpr int kVec = 16 / sizeof(T);
     __shared__ float warp_sums[kNormalizeMaxThreads / 32];
     int const warps = blockDim.x / 32;
@@ -135,10 +143,7 @@ template <typename T>
 __global__ void __launch_bounds__(32) normalize_rows_warp_kernel(
     uint4 const* __restrict__ x, uint4* __restrict__ normalized, int64_t vectors, float k, float eps, PointerTable pointers)
 {
-    if (blockIdx.x == 0 && threadIdx.x < pointers.count)
-    {
-        pointers.destination[threadIdx.x] = pointers.values[threadIdx.x];
-    }
+    write_pointer_table(pointers);
     uint4 cached[kNormalizeItems];
     float const sum = load_row_vectors<T>(x + blockIdx.x * vectors, vectors, threadIdx.x, 32u, cached);
     float const scale = rsqrtf(warp_sum(sum) / k + eps);
