@@ -165,15 +165,15 @@ def float64(model_path: Path) -> Path:
 
     import onnx
 
+    from flashnorm.files import atomic_write
     from synthetic import float64_model
 
     key = hashlib.sha256(inspect.getsource(float64_model).encode()).hexdigest()[:12]
     path = model_path.with_name(f"{model_path.stem}.float64.{key}.onnx")
     if not path.exists():
         started = time.monotonic()
-        partial = path.with_name(f"{path.name}.partial")
-        onnx.save(float64_model(onnx.load(str(model_path))), str(partial))
-        partial.rename(path)
+        with atomic_write(path) as handle:
+            handle.write(float64_model(onnx.load(str(model_path))).SerializeToString())
         _TIMINGS[path.name] = time.monotonic() - started
     return path
 
