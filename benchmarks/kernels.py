@@ -196,22 +196,19 @@ def check_strategies(site: Site, m: int, op: Callable, device: torch.device, dty
     w = torch.randn(site.k, site.n, device=device) / math.sqrt(site.k)
     folded = (gain[:, None] * w).to(dtype)
     reference = reference_flashnorm(x, folded, EPS)
-    results: dict[str, object] = {}
-    for strategy in STRATEGIES:
-        outs = [torch.full((m, size), float("nan"), device=device, dtype=dtype) for size in site.splits]
+
+    def check(splits: Sequence[int], strategy: str) -> object:
+        outs = [torch.full((m, size), float("nan"), device=device, dtype=dtype) for size in splits]
         try:
-            op(x, folded, EPS, site.splits, strategy, outs)
+            op(x, folded, EPS, splits, strategy, outs)
         except Exception as error:  # the library refuses (e.g. fused beyond its M): no column
-            results[strategy] = f"refused: {error}"
-            continue
+            return f"refused: {error}"
         if device.type == "cuda":
             torch.cuda.synchronize()
-        results[strategy] = relative_error(torch.cat(outs, dim=1), reference)
-    y = torch.full((m, site.n), float("nan"), device=device, dtype=dtype)
-    op(x, folded, EPS, (site.n,), "auto", [y])
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    results[ONE_OUTPUT] = relative_error(y, reference)
+        return relative_error(torch.cat(outs, dim=1), reference)
+
+    results: dict[str, object] = {strategy: check(site.splits, strategy) for strategy in STRATEGIES}
+    results[ONE_OUTPUT] = check((site.n,), "auto")
     return results
 
 
