@@ -134,8 +134,8 @@ def test_leaf_modules_import_only_the_standard_library():
 
 def test_loading_a_model_loads_no_onnx_exporter():
     """Finding and loading a model (`flashnorm.export.sources`) must not load the ONNX exporter,
-    onnx or onnx-graphsurgeon: the GPU test machine, which has none of them, loads the real
-    SmolLM2-135M through it (tests/kernels/test_long_generation.py)."""
+    onnx, onnx-graphsurgeon or protobuf: the GPU test machine, which lacks onnx-graphsurgeon, loads
+    the real SmolLM2-135M through it (tests/kernels/test_long_generation.py)."""
     script = (
         "import json, sys\n"
         "import flashnorm.export.sources\n"

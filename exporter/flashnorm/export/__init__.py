@@ -5,8 +5,8 @@
 with an explicit `ExportSpec`. torch and transformers are imported only when an export runs.
 
 The exporter's names load `flashnorm.export.onnx_export` (onnx, onnx-graphsurgeon) when one of
-them is first used, so that finding and loading a model (`flashnorm.export.sources`) works where
-only torch and transformers are installed, as on a GPU test machine.
+them is first used, so that finding and loading a model (`flashnorm.export.sources`) needs only
+torch and transformers (the GPU test machine has no onnx-graphsurgeon).
 """
 
 from __future__ import annotations
