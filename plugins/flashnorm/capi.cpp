@@ -36,6 +36,10 @@ struct AutoTable
     int64_t epilogue_scale_min_rows;
     int64_t epilogue_scale_max_rows;
     int64_t epilogue_scale_max_k;
+    // ... and, with several runs, from epilogue_scale_long_k_min_rows rows to epilogue_scale_min_rows
+    // (exclusive) where K is at least epilogue_scale_long_k.
+    int64_t epilogue_scale_long_k_min_rows;
+    int64_t epilogue_scale_long_k;
 };
 
 constexpr AutoTable kAuto{
@@ -50,6 +54,8 @@ constexpr AutoTable kAuto{
     /*epilogue_scale_min_rows=*/128,
     /*epilogue_scale_max_rows=*/1024,
     /*epilogue_scale_max_k=*/1024,
+    /*epilogue_scale_long_k_min_rows=*/64,
+    /*epilogue_scale_long_k=*/4096,
 };
 
 bool valid_dtype(flashnorm_dtype dtype)
@@ -129,9 +135,12 @@ int64_t prenorm_min_rows(flashnorm_problem const& problem)
 // workspace_bytes_for() therefore reserves too.
 bool auto_picks_epilogue_scale(flashnorm_problem const& problem)
 {
+    bool const short_k = problem.k <= kAuto.epilogue_scale_max_k && problem.m >= kAuto.epilogue_scale_min_rows
+        && problem.m <= kAuto.epilogue_scale_max_rows;
+    bool const long_k = problem.k >= kAuto.epilogue_scale_long_k && problem.m >= kAuto.epilogue_scale_long_k_min_rows
+        && problem.m < kAuto.epilogue_scale_min_rows;
     if (!flashnorm::epilogue_scale_built() || !flashnorm::epilogue_scale_shape_fits(problem.dtype, problem.k, problem.n)
-        || problem.k > kAuto.epilogue_scale_max_k || problem.m < kAuto.epilogue_scale_min_rows
-        || problem.m > kAuto.epilogue_scale_max_rows)
+        || !(short_k || long_k))
         return false;
     flashnorm::SplitRun runs[FLASHNORM_MAX_OUTPUTS];
     return flashnorm::split_runs(problem, runs) > 1;

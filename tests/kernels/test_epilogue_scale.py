@@ -22,6 +22,7 @@ SHAPES = [
     (1000, [333, 667]),
     (264, [7, 13, 5, 7]),
     (128, [8704, 8704]),  # 136 tiles of 128x128 from one row block: the large tiles from M = 129
+    (4104, [1032, 1024]),  # K >= 4096 in one wave of 64-row tiles: 128-deep K steps, a K tail
 ]
 
 
@@ -98,20 +99,21 @@ def test_outputs_at_odd_addresses_and_nothing_written_around_them(m, dtype, rng)
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_auto_region_and_its_fallback_on_unaligned_x(dtype, rng):
-    """AUTO picks epilogue-scale for q|k|v splits with K <= 1024 at 128..1024 rows (kAuto), and
-    where x is not 16-byte aligned runs two_stream in the workspace AUTO sized, not an error."""
+    """AUTO picks epilogue-scale for q|k|v splits with K <= 1024 at 128..1024 rows and with
+    K >= 4096 at 64..127 rows (kAuto), and where x is not 16-byte aligned runs two_stream in the
+    workspace AUTO sized, not an error."""
     cuda_ops = cuda_ops_module()
     _require_epilogue_scale(cuda_ops)
     generator = generator_from(rng)
-    m, k, splits = 512, 576, [576, 192, 192]
-    assert cuda_ops.resolve_strategy(m, k, sum(splits), dtype, splits) == "epilogue_scale"
-    x, w = random_inputs(generator, m, k, sum(splits), dtype)
-    shifted = torch.cat([x.new_zeros(1), x.flatten()])[1:].view(m, k)  # 2 bytes past a 16-byte boundary
-    for label, operand in (("aligned", x), ("unaligned", shifted)):
-        assert (operand.data_ptr() % 16 == 0) == (label == "aligned")
-        outputs = [torch.full((m, size), float("nan"), dtype=dtype, device="cuda") for size in splits]
-        cuda_ops.flashnorm_matmul(operand, w, 1e-5, splits=splits, strategy="auto", out=outputs)
-        _assert_matches(outputs, operand, w, 1e-5, splits, f"{label} {dtype}")
+    for m, k, splits in ((512, 576, [576, 192, 192]), (64, 4096, [4096, 1024, 1024])):
+        assert cuda_ops.resolve_strategy(m, k, sum(splits), dtype, splits) == "epilogue_scale"
+        x, w = random_inputs(generator, m, k, sum(splits), dtype)
+        shifted = torch.cat([x.new_zeros(1), x.flatten()])[1:].view(m, k)  # 2 bytes past a 16-byte boundary
+        for label, operand in (("aligned", x), ("unaligned", shifted)):
+            assert (operand.data_ptr() % 16 == 0) == (label == "aligned")
+            outputs = [torch.full((m, size), float("nan"), dtype=dtype, device="cuda") for size in splits]
+            cuda_ops.flashnorm_matmul(operand, w, 1e-5, splits=splits, strategy="auto", out=outputs)
+            _assert_matches(outputs, operand, w, 1e-5, splits, f"m={m} k={k} {label} {dtype}")
 
 
 @pytest.mark.gpu

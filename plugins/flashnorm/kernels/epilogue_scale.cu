@@ -421,6 +421,23 @@ using CooperativeEpilogue = cutlass::epilogue::TmaWarpSpecializedCooperative;
 template <class Element>
 using SmallTileGemm = ScaledGemm<Element, Shape<_64, _64, _64>,
     cutlass::gemm::KernelTmaWarpSpecializedPingpong, cutlass::epilogue::TmaWarpSpecialized>;
+// Where the 64-row tiles number at most the multiprocessors, the non-persistent kernel (one tile
+// per block, no tile scheduler) instead, with 64×32 tiles on short K while those still fill at most
+// three quarters of the multiprocessors, and 128-deep K steps on K ≥ 4096. H200, reduction
+// included (kernels/NOTES.md, "One wave of 64-row tiles"): SmolLM2-135M q|k|v at M = 64 5.8 µs
+// against 6.5 with the ping-pong tiles, at 256 6.4 against 6.8; gate|up at 128 6.8 against 7.2;
+// Llama-3.1-8B q|k|v at 64 17.6 against 19.3.
+template <class Element, class TileShape>
+using OneWaveGemm = ScaledGemm<Element, TileShape, cutlass::gemm::KernelTmaWarpSpecialized,
+    cutlass::epilogue::TmaWarpSpecialized>;
+template <class Element>
+using OneWaveNarrowGemm = OneWaveGemm<Element, Shape<_64, _32, _64>>;
+template <class Element>
+using OneWaveSquareGemm = OneWaveGemm<Element, Shape<_64, _64, _64>>;
+template <class Element>
+using OneWaveLongKGemm = OneWaveGemm<Element, Shape<_64, _64, _128>>;
+constexpr int64_t kNarrowOneWaveMaxK = 1024;
+constexpr int64_t kLongKOneWaveMinK = 4096;
 // Larger M, both consumer warp groups on one tile (cooperative): 128×128 tiles, or 128×64 where
 // 128×128 ones would leave multiprocessors idle (SmolLM2 qkv at M = 1024: 64 tiles of 128×128 on
 // 132); on long K, 128×256 tiles in clusters of two along M where they fill the multiprocessors
@@ -475,6 +492,22 @@ cudaError_t configure_gemm()
     using Kernel = typename Gemm::Kernel;
     return cudaFuncSetAttribute(
         cutlass::device_kernel<Kernel>, cudaFuncAttributeMaxDynamicSharedMemorySize, Kernel::SharedStorageSize);
+}
+
+template <class Element>
+cudaError_t configure_gemms()
+{
+    for (cudaError_t const status : {configure_gemm<OneWaveNarrowGemm<Element>>(),
+             configure_gemm<OneWaveSquareGemm<Element>>(), configure_gemm<OneWaveLongKGemm<Element>>(),
+             configure_gemm<SmallTileGemm<Element>>(), configure_gemm<NarrowTileGemm<Element>>(),
+             configure_gemm<LargeTileGemm<Element>>(), configure_gemm<WideTileGemm<Element>>()})
+    {
+        if (status != cudaSuccess)
+        {
+            return status;
+        }
+    }
+    return cudaSuccess;
 }
 
 template <class Gemm, class Element>
@@ -548,6 +581,18 @@ cudaError_t launch_typed(void const* x, void const* w, int64_t m, int64_t k, int
     {
         return launch_gemm<LargeTileGemm<Element>>(a, b, m, k, n, inv_rms, splits, sm_count, stream);
     }
+    if (m <= kSmallTileMaxRows && tile_count(m, n, 64, 64) <= sm_count)
+    {
+        if (k <= kNarrowOneWaveMaxK && 4 * tile_count(m, n, 64, 32) <= 3 * sm_count)
+        {
+            return launch_gemm<OneWaveNarrowGemm<Element>>(a, b, m, k, n, inv_rms, splits, sm_count, stream);
+        }
+        if (k >= kLongKOneWaveMinK)
+        {
+            return launch_gemm<OneWaveLongKGemm<Element>>(a, b, m, k, n, inv_rms, splits, sm_count, stream);
+        }
+        return launch_gemm<OneWaveSquareGemm<Element>>(a, b, m, k, n, inv_rms, splits, sm_count, stream);
+    }
     if (m <= kSmallTileMaxRows)
     {
         return launch_gemm<SmallTileGemm<Element>>(a, b, m, k, n, inv_rms, splits, sm_count, stream);
@@ -564,18 +609,8 @@ bool epilogue_scale_built()
 
 cudaError_t configure_epilogue_scale_kernels()
 {
-    for (cudaError_t const status :
-        {configure_gemm<SmallTileGemm<cutlass::bfloat16_t>>(), configure_gemm<NarrowTileGemm<cutlass::bfloat16_t>>(),
-            configure_gemm<LargeTileGemm<cutlass::bfloat16_t>>(), configure_gemm<WideTileGemm<cutlass::bfloat16_t>>(),
-            configure_gemm<SmallTileGemm<cutlass::half_t>>(), configure_gemm<NarrowTileGemm<cutlass::half_t>>(),
-            configure_gemm<LargeTileGemm<cutlass::half_t>>(), configure_gemm<WideTileGemm<cutlass::half_t>>()})
-    {
-        if (status != cudaSuccess)
-        {
-            return status;
-        }
-    }
-    return cudaSuccess;
+    cudaError_t const status = configure_gemms<cutlass::bfloat16_t>();
+    return status != cudaSuccess ? status : configure_gemms<cutlass::half_t>();
 }
 
 cudaError_t launch_epilogue_scale(flashnorm_dtype dtype, void const* x, void const* w, int64_t m, int64_t k,
