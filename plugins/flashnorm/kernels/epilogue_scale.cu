@@ -414,10 +414,11 @@ struct ScaledGemm
 using Cooperative = cutlass::gemm::KernelTmaWarpSpecializedCooperative;
 using CooperativeEpilogue = cutlass::epilogue::TmaWarpSpecializedCooperative;
 
-// Small M (to 256 rows): 64-row tiles, two consumer warp groups taking turns (ping-pong), so
-// narrow problems still spread over many multiprocessors; from 129 rows, the large tiles instead
-// where they are enough to fill the multiprocessors (H200: Llama-3.1-8B gate/up at M = 256 130 µs
-// against 204; at M = 64 they took 97 µs against 67, kernels/NOTES.md).
+// Small M (to 256 rows) beyond one wave of 64-row tiles: 64-row tiles, two consumer warp groups
+// taking turns (ping-pong), so narrow problems still spread over many multiprocessors; from 129
+// rows, the large tiles instead where they are enough to fill the multiprocessors (H200:
+// Llama-3.1-8B gate/up at M = 256 130 µs against 204; at M = 64 they took 97 µs against 67,
+// kernels/NOTES.md).
 template <class Element>
 using SmallTileGemm = ScaledGemm<Element, Shape<_64, _64, _64>,
     cutlass::gemm::KernelTmaWarpSpecializedPingpong, cutlass::epilogue::TmaWarpSpecialized>;
@@ -581,8 +582,12 @@ cudaError_t launch_typed(void const* x, void const* w, int64_t m, int64_t k, int
     {
         return launch_gemm<LargeTileGemm<Element>>(a, b, m, k, n, inv_rms, splits, sm_count, stream);
     }
-    if (m <= kSmallTileMaxRows && tile_count(m, n, 64, 64) <= sm_count)
+    if (m <= kSmallTileMaxRows)
     {
+        if (tile_count(m, n, 64, 64) > sm_count)
+        {
+            return launch_gemm<SmallTileGemm<Element>>(a, b, m, k, n, inv_rms, splits, sm_count, stream);
+        }
         if (k <= kNarrowOneWaveMaxK && 4 * tile_count(m, n, 64, 32) <= 3 * sm_count)
         {
             return launch_gemm<OneWaveNarrowGemm<Element>>(a, b, m, k, n, inv_rms, splits, sm_count, stream);
@@ -592,10 +597,6 @@ cudaError_t launch_typed(void const* x, void const* w, int64_t m, int64_t k, int
             return launch_gemm<OneWaveLongKGemm<Element>>(a, b, m, k, n, inv_rms, splits, sm_count, stream);
         }
         return launch_gemm<OneWaveSquareGemm<Element>>(a, b, m, k, n, inv_rms, splits, sm_count, stream);
-    }
-    if (m <= kSmallTileMaxRows)
-    {
-        return launch_gemm<SmallTileGemm<Element>>(a, b, m, k, n, inv_rms, splits, sm_count, stream);
     }
     return launch_gemm<NarrowTileGemm<Element>>(a, b, m, k, n, inv_rms, splits, sm_count, stream);
 }
