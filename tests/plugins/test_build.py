@@ -163,9 +163,8 @@ def test_auto_epilogue_scale_region(built_library, epilogue_scale_built, monkeyp
     """Built with the CUTLASS kernel, AUTO picks epilogue-scale where the splits form several runs,
     for 128..1024 rows with K <= 1024 and for 64..127 rows with K >= 4096 (kAuto; measured faster
     than two_stream on SmolLM2-135M's and Llama-3.1-8B's q|k|v there, kernels/NOTES.md); built
-    without, two_stream. Either way AUTO reserves two_stream's
-    workspace there: the call falls back to two_stream where the device or the pointers refuse
-    the CUTLASS kernel."""
+    without, two_stream. Either way AUTO reserves two_stream's workspace there: the call falls back
+    to two_stream where the device or the pointers refuse the CUTLASS kernel."""
     import torch
 
     from flashnorm import cuda_ops
@@ -181,9 +180,6 @@ def test_auto_epilogue_scale_region(built_library, epilogue_scale_built, monkeyp
     assert cuda_ops.resolve_strategy(512, 2048, 3072, torch.bfloat16, [2048, 512, 512]) == "two_stream"
     assert cuda_ops.resolve_strategy(512, 576, 3072, torch.bfloat16, [1536, 1536]) == "prenorm"
     assert cuda_ops.resolve_strategy(512, 576, 964, torch.bfloat16, [576, 192, 196]) == "two_stream"
-    for m in (128, 1000, 1024):
-        two_stream = cuda_ops.workspace_size(m, 576, qkv, torch.bfloat16, "two_stream")
-        assert cuda_ops.workspace_size(m, 576, qkv, torch.bfloat16) >= two_stream
     # The long-K region: 64..127 rows where K >= 4096 (Llama-3.1-8B's q|k|v).
     qkv_8b = [4096, 1024, 1024]
     for m, expected in ((63, "two_stream"), (64, region), (127, region), (128, "two_stream")):
@@ -191,8 +187,9 @@ def test_auto_epilogue_scale_region(built_library, epilogue_scale_built, monkeyp
     assert cuda_ops.resolve_strategy(64, 4088, 6144, torch.bfloat16, qkv_8b) == "two_stream"
     assert cuda_ops.resolve_strategy(64, 4096, 6144, torch.float32, qkv_8b) == "two_stream"
     assert cuda_ops.resolve_strategy(64, 4096, 28672, torch.bfloat16, [14336, 14336]) == "prenorm"
-    two_stream = cuda_ops.workspace_size(64, 4096, qkv_8b, torch.bfloat16, "two_stream")
-    assert cuda_ops.workspace_size(64, 4096, qkv_8b, torch.bfloat16) >= two_stream
+    for m, k, splits in ((128, 576, qkv), (1000, 576, qkv), (1024, 576, qkv), (64, 4096, qkv_8b)):
+        two_stream = cuda_ops.workspace_size(m, k, splits, torch.bfloat16, "two_stream")
+        assert cuda_ops.workspace_size(m, k, splits, torch.bfloat16) >= two_stream, (m, k)
 
 
 def test_auto_workspace_covers_every_smaller_m(built_library, monkeypatch):
