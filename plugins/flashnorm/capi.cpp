@@ -30,15 +30,16 @@ struct AutoTable
     int64_t prenorm_min_narrow_run_elements;
     // fp32 (CUDA-core GEMMs): from this many rows, whatever the splits.
     int64_t prenorm_min_rows_f32;
-    // epilogue-scale (builds with the CUTLASS kernel), where the splits form several runs and K is
-    // at most epilogue_scale_max_k: from epilogue_scale_min_rows to epilogue_scale_max_rows rows
-    // (below prenorm's region; elsewhere it measured slower than what AUTO picks).
+    // epilogue-scale (builds with the CUTLASS kernel), where K is at most epilogue_scale_max_k:
+    // from epilogue_scale_min_rows to epilogue_scale_max_rows rows (below prenorm's region;
+    // elsewhere it measured slower than what AUTO picks) ...
     int64_t epilogue_scale_min_rows;
     int64_t epilogue_scale_max_rows;
     int64_t epilogue_scale_max_k;
-    // ... and, with several runs, from epilogue_scale_long_k_min_rows rows to epilogue_scale_min_rows
-    // (exclusive) where K is at least epilogue_scale_long_k.
+    // ... and, where the splits form several runs, from epilogue_scale_long_k_min_rows to
+    // epilogue_scale_long_k_max_rows rows where K is at least epilogue_scale_long_k.
     int64_t epilogue_scale_long_k_min_rows;
+    int64_t epilogue_scale_long_k_max_rows;
     int64_t epilogue_scale_long_k;
 };
 
@@ -51,10 +52,11 @@ constexpr AutoTable kAuto{
     /*prenorm_large_weight=*/int64_t(1) << 25,
     /*prenorm_min_narrow_run_elements=*/int64_t(5) << 18,
     /*prenorm_min_rows_f32=*/1024,
-    /*epilogue_scale_min_rows=*/128,
+    /*epilogue_scale_min_rows=*/64,
     /*epilogue_scale_max_rows=*/1024,
     /*epilogue_scale_max_k=*/1024,
     /*epilogue_scale_long_k_min_rows=*/64,
+    /*epilogue_scale_long_k_max_rows=*/127,
     /*epilogue_scale_long_k=*/4096,
 };
 
@@ -138,12 +140,13 @@ bool auto_picks_epilogue_scale(flashnorm_problem const& problem)
     bool const short_k = problem.k <= kAuto.epilogue_scale_max_k && problem.m >= kAuto.epilogue_scale_min_rows
         && problem.m <= kAuto.epilogue_scale_max_rows;
     bool const long_k = problem.k >= kAuto.epilogue_scale_long_k && problem.m >= kAuto.epilogue_scale_long_k_min_rows
-        && problem.m < kAuto.epilogue_scale_min_rows;
-    if (!flashnorm::epilogue_scale_built() || !flashnorm::epilogue_scale_shape_fits(problem.dtype, problem.k, problem.n)
-        || !(short_k || long_k))
+        && problem.m <= kAuto.epilogue_scale_long_k_max_rows;
+    if (!flashnorm::epilogue_scale_built() || !flashnorm::epilogue_scale_shape_fits(problem.dtype, problem.k, problem.n))
         return false;
+    if (short_k)
+        return true;
     flashnorm::SplitRun runs[FLASHNORM_MAX_OUTPUTS];
-    return flashnorm::split_runs(problem, runs) > 1;
+    return long_k && flashnorm::split_runs(problem, runs) > 1;
 }
 
 flashnorm_strategy resolve(flashnorm_problem const& problem)

@@ -1,6 +1,6 @@
 """The epilogue-scale strategy (one CUTLASS sm90 GEMM scaling rows and storing splits in its
-epilogue, the RMS reduction overlapped through programmatic dependent launch) against a float64
-reference: M from 1 to 4096 (every tile configuration), K and N that are multiples of 8 but not of
+epilogue; the RMS reduction in the GEMM's main loop on 64-row tiles, to 256 rows, beyond that a
+kernel overlapped through programmatic dependent launch) against a float64 reference: M from 1 to 4096 (every tile configuration), K and N that are multiples of 8 but not of
 the tiles, splits that cut through tiles, tiny row norms, outputs poisoned with NaN and placed so
 that the epilogue's 16-byte stores are misaligned; and the shapes it refuses, with the reason."""
 
@@ -99,13 +99,13 @@ def test_outputs_at_odd_addresses_and_nothing_written_around_them(m, dtype, rng)
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_auto_region_and_its_fallback_on_unaligned_x(dtype, rng):
-    """AUTO picks epilogue-scale for q|k|v splits with K <= 1024 at 128..1024 rows and with
-    K >= 4096 at 64..127 rows (kAuto), and where x is not 16-byte aligned runs two_stream in the
-    workspace AUTO sized, not an error."""
+    """AUTO picks epilogue-scale with K <= 1024 at 64..1024 rows (below prenorm's region) and for
+    q|k|v splits with K >= 4096 at 64..127 rows (kAuto), and where x is not 16-byte aligned runs
+    two_stream in the workspace AUTO sized, not an error."""
     cuda_ops = cuda_ops_module()
     _require_epilogue_scale(cuda_ops)
     generator = generator_from(rng)
-    for m, k, splits in ((512, 576, [576, 192, 192]), (64, 4096, [4096, 1024, 1024])):
+    for m, k, splits in ((512, 576, [576, 192, 192]), (64, 576, [1536, 1536]), (64, 4096, [4096, 1024, 1024])):
         assert cuda_ops.resolve_strategy(m, k, sum(splits), dtype, splits) == "epilogue_scale"
         x, w = random_inputs(generator, m, k, sum(splits), dtype)
         shifted = torch.cat([x.new_zeros(1), x.flatten()])[1:].view(m, k)  # 2 bytes past a 16-byte boundary

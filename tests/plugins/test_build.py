@@ -139,9 +139,8 @@ def test_auto_strategy_through_the_python_binding(built_library, monkeypatch):
     assert cuda_ops.resolve_strategy(3413, 576, 960, torch.bfloat16, [576, 192, 192]) == "two_stream"
     assert cuda_ops.resolve_strategy(3414, 576, 960, torch.bfloat16, [576, 192, 192]) == "prenorm"
     assert cuda_ops.resolve_strategy(4096, 576, 960, torch.bfloat16, [192, 576, 192]) == "two_stream"
-    assert cuda_ops.resolve_strategy(255, 576, 3072, torch.bfloat16, [1536, 1536]) == "two_stream"
     assert cuda_ops.resolve_strategy(256, 576, 3072, torch.bfloat16, [1536, 1536]) == "prenorm"
-    assert cuda_ops.resolve_strategy(64, 576, 3072, torch.bfloat16, [1536, 1536]) == "two_stream"
+    assert cuda_ops.resolve_strategy(63, 576, 3072, torch.bfloat16, [1536, 1536]) == "two_stream"
     assert cuda_ops.resolve_strategy(63, 2048, 16384, torch.bfloat16, [8192, 8192]) == "two_stream"
     assert cuda_ops.resolve_strategy(64, 2048, 16384, torch.bfloat16, [8192, 8192]) == "prenorm"
     assert cuda_ops.resolve_strategy(64, 4096, 28672, torch.float16) == "prenorm"
@@ -160,11 +159,12 @@ def epilogue_scale_built(built_library) -> bool:
 
 
 def test_auto_epilogue_scale_region(built_library, epilogue_scale_built, monkeypatch):
-    """Built with the CUTLASS kernel, AUTO picks epilogue-scale where the splits form several runs,
-    for 128..1024 rows with K <= 1024 and for 64..127 rows with K >= 4096 (kAuto; measured faster
-    than two_stream on SmolLM2-135M's and Llama-3.1-8B's q|k|v there, kernels/NOTES.md); built
-    without, two_stream. Either way AUTO reserves two_stream's workspace there: the call falls back
-    to two_stream where the device or the pointers refuse the CUTLASS kernel."""
+    """Built with the CUTLASS kernel, AUTO picks epilogue-scale for 64..1024 rows with K <= 1024
+    below prenorm's region, and where the splits form several runs for 64..127 rows with K >= 4096
+    (kAuto; measured faster than two_stream on SmolLM2-135M's q|k|v and gate|up and Llama-3.1-8B's
+    q|k|v there, kernels/NOTES.md); built without, two_stream. Either way AUTO reserves two_stream's
+    workspace there: the call falls back to two_stream where the device or the pointers refuse the
+    CUTLASS kernel."""
     import torch
 
     from flashnorm import cuda_ops
@@ -173,8 +173,11 @@ def test_auto_epilogue_scale_region(built_library, epilogue_scale_built, monkeyp
     monkeypatch.setattr(cuda_ops, "_library", None)
     qkv = [576, 192, 192]
     region = "epilogue_scale" if epilogue_scale_built else "two_stream"
-    for m, expected in ((127, "two_stream"), (128, region), (1024, region), (1025, "two_stream")):
+    for m, expected in ((63, "two_stream"), (64, region), (1024, region), (1025, "two_stream")):
         assert cuda_ops.resolve_strategy(m, 576, 960, torch.bfloat16, qkv) == expected, m
+    gate_up = [1536, 1536]
+    for m, expected in ((63, "two_stream"), (64, region), (255, region), (256, "prenorm")):
+        assert cuda_ops.resolve_strategy(m, 576, 3072, torch.bfloat16, gate_up) == expected, m
     assert cuda_ops.resolve_strategy(512, 576, 960, torch.float16, qkv) == region
     assert cuda_ops.resolve_strategy(512, 576, 960, torch.float32, qkv) == "two_stream"
     assert cuda_ops.resolve_strategy(512, 2048, 3072, torch.bfloat16, [2048, 512, 512]) == "two_stream"
@@ -187,7 +190,7 @@ def test_auto_epilogue_scale_region(built_library, epilogue_scale_built, monkeyp
     assert cuda_ops.resolve_strategy(64, 4088, 6144, torch.bfloat16, qkv_8b) == "two_stream"
     assert cuda_ops.resolve_strategy(64, 4096, 6144, torch.float32, qkv_8b) == "two_stream"
     assert cuda_ops.resolve_strategy(64, 4096, 28672, torch.bfloat16, [14336, 14336]) == "prenorm"
-    for m, k, splits in ((128, 576, qkv), (1000, 576, qkv), (1024, 576, qkv), (64, 4096, qkv_8b)):
+    for m, k, splits in ((64, 576, qkv), (1000, 576, qkv), (1024, 576, qkv), (64, 576, gate_up), (64, 4096, qkv_8b)):
         two_stream = cuda_ops.workspace_size(m, k, splits, torch.bfloat16, "two_stream")
         assert cuda_ops.workspace_size(m, k, splits, torch.bfloat16) >= two_stream, (m, k)
 
