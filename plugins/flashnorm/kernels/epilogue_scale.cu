@@ -738,16 +738,14 @@ cudaError_t launch_gemm(T const* x, Element const* w, int64_t m, int64_t k, int6
     StrideB stride_w{};
     get<1>(stride_w) = n;
     get<2>(stride_w) = n * k;
-    auto const* a = reinterpret_cast<typename Kernel::ElementA const*>(x);
-    auto const* b = reinterpret_cast<typename Kernel::ElementB const*>(w);
+    // The built collective's arguments; RowSumMainloop's add eps.
     typename Kernel::MainloopArguments mainloop{};
+    static_cast<typename Gemm::BuiltMainloop::Arguments&>(mainloop)
+        = {reinterpret_cast<typename Kernel::ElementA const*>(x), stride_x,
+            reinterpret_cast<typename Kernel::ElementB const*>(w), stride_w};
     if constexpr (Gemm::kSumsInMainLoop)
     {
-        mainloop = {{a, stride_x, b, stride_w}, eps};
-    }
-    else
-    {
-        mainloop = {a, stride_x, b, stride_w};
+        mainloop.eps = eps;
     }
     typename Kernel::Arguments arguments{cutlass::gemm::GemmUniversalMode::kGemm, {M, N, K, 1}, mainloop,
         {{Gemm::kSumsInMainLoop ? nullptr : inv_rms, splits}, nullptr, {}, nullptr, {}}, hardware};
