@@ -59,6 +59,23 @@ __device__ __forceinline__ void wait_for_previous_grids()
 #endif
 }
 
+// The offset of a thread's second accumulator row from its first (wgmma's layout gives a thread
+// two rows, r and r + 8 of its warp's 16): the first nonzero row offset among its coordinates,
+// which are static, so this folds to a constant.
+template <class Coordinates>
+CUTLASS_DEVICE int second_row_offset(Coordinates const& coordinates)
+{
+    int const first = int(get<0>(coordinates(0)));
+    int offset = 0;
+    CUTLASS_PRAGMA_UNROLL
+    for (int i = size(coordinates) - 1; i >= 0; --i)
+    {
+        int const candidate = int(get<0>(coordinates(i))) - first;
+        offset = candidate != 0 ? candidate : offset;
+    }
+    return offset;
+}
+
 // The epilogue visitor (root of the fusion tree): value = acc · inv_rms[row] (or acc, where the
 // main loop has scaled the accumulators: ScalesRows false), stored from registers to
 // outputs[split(col)][row, col - offset]. Eight consecutive columns of one row and split move as
@@ -179,24 +196,15 @@ struct RowScaleSplitStore
 
         CUTLASS_DEVICE void begin()
         {
+            first_row = rows - int(get<0>(residue));
+            second_row = first_row + second_row_offset(relative);
             if constexpr (ScalesRows)
             {
                 wait_for_previous_grids();
+                // Through L2 (ld.global.cg), as the reduction grid wrote them.
+                first_scale = first_row < rows ? __ldcg(params.inv_rms + first_row) : 0.0f;
+                second_scale = second_row < rows ? __ldcg(params.inv_rms + second_row) : 0.0f;
             }
-            first_row = rows - int(get<0>(residue));
-            // The first row offset other than 0 among this thread's coordinates; they are static,
-            // so this folds to a constant.
-            int second_offset = 0;
-            CUTLASS_PRAGMA_UNROLL
-            for (int i = size(relative) - 1; i >= 0; --i)
-            {
-                int const offset = int(get<0>(relative(i)));
-                second_offset = offset != 0 ? offset : second_offset;
-            }
-            second_row = first_row + second_offset;
-            // Through L2 (ld.global.cg), as the reduction grid wrote them.
-            first_scale = !ScalesRows ? 1.0f : first_row < rows ? __ldcg(params.inv_rms + first_row) : 0.0f;
-            second_scale = !ScalesRows ? 1.0f : second_row < rows ? __ldcg(params.inv_rms + second_row) : 0.0f;
 
             int const first_col = cols - int(get<1>(residue));
             SplitColumn const here = locate(first_col < cols ? first_col : cols - 1);
@@ -230,7 +238,7 @@ struct RowScaleSplitStore
             {
                 return second_scale;
             }
-            return ScalesRows ? __ldcg(params.inv_rms + row) : 1.0f;
+            return __ldcg(params.inv_rms + row);
         }
 
         // The address of (row, col) when the columns col..last_col lie in one of this thread's two
@@ -482,18 +490,10 @@ struct RowSumMainloop : Base
         Tensor tCrA = warp_group_mma.make_fragment_A(warp_group_mma.partition_A(sA));
         Tensor tCrB = warp_group_mma.make_fragment_B(warp_group_mma.partition_B(sB));
 
-        // This thread's two rows: its first accumulator's, and the first other one among them
-        // (the offsets are static, so this folds to a constant).
+        // This thread's two rows of the tile.
         Tensor coordinates = tiled_mma.get_slice(thread_idx).partition_C(make_identity_tensor(take<0, 2>(TileShape{})));
         int const first_row = int(get<0>(coordinates(0)));
-        int second_offset = 0;
-        CUTLASS_PRAGMA_UNROLL
-        for (int i = size(coordinates) - 1; i >= 0; --i)
-        {
-            int const offset = int(get<0>(coordinates(i))) - first_row;
-            second_offset = offset != 0 ? offset : second_offset;
-        }
-        int const rows[2] = {first_row, first_row + second_offset};
+        int const rows[2] = {first_row, first_row + second_row_offset(coordinates)};
 
         // Element offsets of this thread's chunks in stage 0, unswizzled (see above).
         auto const unswizzled = SmemLayoutA{}.layout_b();
