@@ -1,6 +1,7 @@
 """The epilogue-scale strategy (one CUTLASS sm90 GEMM scaling rows and storing splits in its
-epilogue; the RMS reduction in the GEMM's main loop on 64-row tiles, to 256 rows, beyond that a
-kernel overlapped through programmatic dependent launch) against a float64 reference: M from 1 to 4096 (every tile configuration), K and N that are multiples of 8 but not of
+epilogue; the RMS reduction in the GEMM's main loop on K <= 1024 to 1024 rows, elsewhere a kernel
+overlapped through programmatic dependent launch) against a float64 reference: M from 1 to 4096
+(every tile configuration), K and N that are multiples of 8 but not of
 the tiles, splits that cut through tiles, tiny row norms, outputs poisoned with NaN and placed so
 that the epilogue's 16-byte stores are misaligned; and the shapes it refuses, with the reason."""
 
@@ -21,7 +22,9 @@ SHAPES = [
     (200, [40, 8, 16, 24]),
     (1000, [333, 667]),
     (264, [7, 13, 5, 7]),
-    (128, [8704, 8704]),  # 136 tiles of 128x128 from one row block: the large tiles from M = 129
+    (128, [8704, 8704]),  # 136 tiles of 64x128 from one row block: ping-pong 64x128 tiles
+    (1032, [8200, 1000]),  # just past the main loop's sums: ping-pong 64x64 tiles (to 256 rows), 128x128
+    (2056, [1040, 520, 496]),  # one wave of 64x64 tiles with the reduction kernel, a K tail
     (4104, [1032, 1024]),  # K >= 4096 in one wave of 64-row tiles: 128-deep K steps, a K tail
 ]
 

@@ -3,9 +3,10 @@ a post-scale not ordered after it reads the previous call's inv_rms. epilogue_sc
 one kernel (the row sums in the GEMM's main loop): the sums of a stage must wait for its full
 barrier, or they read the A tile the previous call left in shared memory, and the producer's first
 load must wait for the kernel before it (griddepcontrol.wait: the GEMM starts early through
-programmatic dependent launch), or it reads x before the residual add wrote it; at 320 rows (128-row
-tiles) its reduction kernel, once it has let the GEMM start, is held back as two_stream's RMS is, so
-an epilogue that does not wait for it (griddepcontrol.wait) reads stale scales. prenorm: the
+programmatic dependent launch), or it reads x before the residual add wrote it; on K = 1032 at 64
+rows (64-row tiles) and 320 rows (128-row tiles) its reduction kernel, once it has let the GEMM
+start, is held back as two_stream's RMS is, so an epilogue that does not wait for it
+(griddepcontrol.wait) reads stale scales. prenorm: the
 narrow splits' GEMMs on the side stream are held back as two_stream's RMS is, so a caller's next
 operation not ordered after them reads the previous call's outputs. Every call's inputs have
 different row norms, so such a stale read is wrong by orders of magnitude. 1000 calls run back to
@@ -30,24 +31,25 @@ SIDE_DELAY_CYCLES = 200_000  # ≈100 µs at H200 clocks: far longer than the GE
 
 @pytest.mark.gpu
 @pytest.mark.parametrize(
-    ("strategy", "dtype", "m"),
+    ("strategy", "dtype", "m", "k"),
     [
-        ("two_stream", torch.bfloat16, 8),
-        ("two_stream", torch.float32, 8),
-        ("prenorm", torch.bfloat16, 8),
-        ("prenorm", torch.float32, 8),
-        ("epilogue_scale", torch.bfloat16, 8),
-        ("epilogue_scale", torch.bfloat16, 320),
+        ("two_stream", torch.bfloat16, 8, 512),
+        ("two_stream", torch.float32, 8, 512),
+        ("prenorm", torch.bfloat16, 8, 512),
+        ("prenorm", torch.float32, 8, 512),
+        ("epilogue_scale", torch.bfloat16, 8, 512),
+        ("epilogue_scale", torch.bfloat16, 64, 1032),
+        ("epilogue_scale", torch.bfloat16, 320, 1032),
     ],
     ids=str,
 )
 @pytest.mark.parametrize("residual_add", [False, True], ids=["matmul", "add_matmul"])
-def test_back_to_back_calls_with_delayed_side_stream_stay_correct(dtype, strategy, m, residual_add, rng):
+def test_back_to_back_calls_with_delayed_side_stream_stay_correct(dtype, strategy, m, k, residual_add, rng):
     cuda_ops = cuda_ops_module()
     if not cuda_ops.strategy_available(strategy):
         pytest.skip(f"{strategy} is not in this library build or not on this device")
     generator = generator_from(rng)
-    k, splits = 512, [256, 64, 64]
+    splits = [256, 64, 64]
     n = sum(splits)
     xs, w = random_inputs(generator, CALLS * m, k, n, dtype)
     xs = xs.reshape(CALLS, m, k)

@@ -2,13 +2,13 @@
 // that scales each accumulator row by inv_rms[row] and stores every column straight into its
 // split's output. Where the row sums come from depends on the tile:
 //
-// - 64-row tiles (to 256 rows): the main loop itself sums the squares of each tile's rows of x
-//   from the A tiles the TMA brings into shared memory, and scales the accumulators before the
-//   epilogue stores them (RowSumMainloop). One kernel, launched with programmatic stream
-//   serialization; its joins: the producer's griddepcontrol.wait before its first load (x may be
-//   written by the kernel before it), and each stage's full barrier, which the sums wait on as
-//   the wgmma does.
-// - 128-row tiles: a reduction kernel in front, overlapped with the GEMM's main loop through
+// - short K (to 1024) and to 1024 rows, 64-row tiles: the main loop itself sums the squares of
+//   each tile's rows of x from the A tiles the TMA brings into shared memory, and scales the
+//   accumulators before the epilogue stores them (RowSumMainloop). One kernel, launched with
+//   programmatic stream serialization; its joins: the producer's griddepcontrol.wait before its
+//   first load (x may be written by the kernel before it), and each stage's full barrier, which
+//   the sums wait on as the wgmma does.
+// - every other problem: a reduction kernel in front, overlapped with the GEMM's main loop through
 //   programmatic dependent launch (PDL):
 //     reduction kernel: griddepcontrol.launch_dependents at entry, then inv_rms[m] = rsqrt(...)
 //     GEMM (launched with programmatic stream serialization): main loop over x and W*; the
@@ -609,43 +609,45 @@ struct ScaledGemm
 using Cooperative = cutlass::gemm::KernelTmaWarpSpecializedCooperative;
 using CooperativeEpilogue = cutlass::epilogue::TmaWarpSpecializedCooperative;
 
-// Small M (to 256 rows) beyond one wave of 64-row tiles: 64-row tiles, two consumer warp groups
-// taking turns (ping-pong), so narrow problems still spread over many multiprocessors; from 129
-// rows, the large tiles instead where they are enough to fill the multiprocessors (H200:
-// Llama-3.1-8B gate/up at M = 256 130 µs against 204; at M = 64 they took 97 µs against 67,
-// kernels/NOTES.md).
-template <class Element>
-using SmallTileGemm = ScaledGemm<Element, Shape<_64, _64, _64>,
-    cutlass::gemm::KernelTmaWarpSpecializedPingpong, cutlass::epilogue::TmaWarpSpecialized, 1, true>;
-// Where the 64-row tiles number at most the multiprocessors, the non-persistent kernel (one tile
-// per block, no tile scheduler) instead, with 64×32 tiles on short K while those still fill at most
-// three quarters of the multiprocessors, and 128-deep K steps on K ≥ 4096. H200, reduction
-// included (kernels/NOTES.md, "One wave of 64-row tiles"): SmolLM2-135M q|k|v at M = 64 5.8 µs
-// against 6.5 with the ping-pong tiles, at 256 6.4 against 6.8; gate|up at 128 6.8 against 7.2;
-// Llama-3.1-8B q|k|v at 64 17.6 against 19.3.
+// 64-row tiles, one warp group per tile. Short K (to kRowSumsMaxK) to kRowSumsMaxRows rows: the
+// main loop sums the rows (RowSumMainloop). One wave of tiles where the narrowest of 64×32, 64×64
+// and 64×128 that number at most the multiprocessors does (the non-persistent kernel, one tile
+// per block, no tile scheduler), else 64×128 tiles on two consumer warp groups taking turns
+// (ping-pong). H200, 2026-12-03 (kernels/NOTES.md, "Short K beyond 256 rows, long K back to the
+// reduction kernel"): SmolLM2-135M q|k|v at M = 256 5.55 µs on 120 tiles of 64×32 against 5.88 on
+// 60 of 64×64, at 512 6.1 against 7.9 on 128-row tiles; gate|up at 256 7.4 on 64×128 tiles
+// against 8.8 on ping-pong 64×64 ones, at 1024 14.1 against 17.7 on 128×128.
 template <class Element, class TileShape>
-using OneWaveGemm = ScaledGemm<Element, TileShape, cutlass::gemm::KernelTmaWarpSpecialized,
+using RowSumOneWaveGemm = ScaledGemm<Element, TileShape, cutlass::gemm::KernelTmaWarpSpecialized,
     cutlass::epilogue::TmaWarpSpecialized, 1, true>;
 template <class Element>
-using OneWaveNarrowGemm = OneWaveGemm<Element, Shape<_64, _32, _64>>;
+using RowSumPingPongGemm = ScaledGemm<Element, Shape<_64, _128, _64>, cutlass::gemm::KernelTmaWarpSpecializedPingpong,
+    cutlass::epilogue::TmaWarpSpecialized, 1, true>;
+constexpr int64_t kRowSumsMaxK = 1024;
+constexpr int64_t kRowSumsMaxRows = 1024;
+// Longer K, to 256 rows: the same 64-row tiles with the reduction kernel in front, where the sums'
+// loads and squares in each K step of the main loop cost more than they save (H200: Llama-3.1-8B
+// q|k|v at M = 128 26.5 µs against 32.2, gate|up at 64 65.2 against 70.3); one wave of 64×64 tiles
+// (128-deep K steps on K ≥ 4096) or, beyond one wave, ping-pong 64×64 tiles.
+template <class Element, class TileShape>
+using OneWaveGemm = ScaledGemm<Element, TileShape, cutlass::gemm::KernelTmaWarpSpecialized,
+    cutlass::epilogue::TmaWarpSpecialized>;
 template <class Element>
-using OneWaveSquareGemm = OneWaveGemm<Element, Shape<_64, _64, _64>>;
-template <class Element>
-using OneWaveLongKGemm = OneWaveGemm<Element, Shape<_64, _64, _128>>;
-constexpr int64_t kNarrowOneWaveMaxK = 1024;
+using SmallTileGemm = ScaledGemm<Element, Shape<_64, _64, _64>, cutlass::gemm::KernelTmaWarpSpecializedPingpong,
+    cutlass::epilogue::TmaWarpSpecialized>;
+constexpr int64_t kSmallTileMaxRows = 256;
 constexpr int64_t kLongKOneWaveMinK = 4096;
-// Larger M, both consumer warp groups on one tile (cooperative): 128×128 tiles, or 128×64 where
-// 128×128 ones would leave multiprocessors idle (SmolLM2 qkv at M = 1024: 64 tiles of 128×128 on
-// 132); on long K, 128×256 tiles in clusters of two along M where they fill the multiprocessors
-// in waves at least 80 % full. Measured slower on the H200 and not used (kernels/NOTES.md):
-// ping-pong 64×128 / 64×256 tiles beyond 256 rows.
+// Otherwise both consumer warp groups on one tile (cooperative), the reduction kernel in front:
+// 128×128 tiles, or 128×64 where 128×128 ones would leave multiprocessors idle; on long K, 128×256
+// tiles in clusters of two along M where they fill the multiprocessors in waves at least 80 % full.
+// Measured slower there on the H200 (kernels/NOTES.md): ping-pong 64×128 / 64×256 tiles on long K
+// or at 4096 rows.
 template <class Element>
 using NarrowTileGemm = ScaledGemm<Element, Shape<_128, _64, _64>, Cooperative, CooperativeEpilogue>;
 template <class Element>
 using LargeTileGemm = ScaledGemm<Element, Shape<_128, _128, _64>, Cooperative, CooperativeEpilogue>;
 template <class Element>
 using WideTileGemm = ScaledGemm<Element, Shape<_128, _256, _64>, Cooperative, CooperativeEpilogue, 2>;
-constexpr int64_t kSmallTileMaxRows = 256;
 constexpr int64_t kWideTileMinK = 2048;
 
 int64_t tile_count(int64_t m, int64_t n, int64_t tile_m, int64_t tile_n)
@@ -693,10 +695,13 @@ cudaError_t configure_gemm()
 template <class Element>
 cudaError_t configure_gemms()
 {
-    for (cudaError_t const status : {configure_gemm<OneWaveNarrowGemm<Element>>(),
-             configure_gemm<OneWaveSquareGemm<Element>>(), configure_gemm<OneWaveLongKGemm<Element>>(),
-             configure_gemm<SmallTileGemm<Element>>(), configure_gemm<NarrowTileGemm<Element>>(),
-             configure_gemm<LargeTileGemm<Element>>(), configure_gemm<WideTileGemm<Element>>()})
+    for (cudaError_t const status : {configure_gemm<RowSumOneWaveGemm<Element, Shape<_64, _32, _64>>>(),
+             configure_gemm<RowSumOneWaveGemm<Element, Shape<_64, _64, _64>>>(),
+             configure_gemm<RowSumOneWaveGemm<Element, Shape<_64, _128, _64>>>(),
+             configure_gemm<RowSumPingPongGemm<Element>>(), configure_gemm<OneWaveGemm<Element, Shape<_64, _64, _64>>>(),
+             configure_gemm<OneWaveGemm<Element, Shape<_64, _64, _128>>>(), configure_gemm<SmallTileGemm<Element>>(),
+             configure_gemm<NarrowTileGemm<Element>>(), configure_gemm<LargeTileGemm<Element>>(),
+             configure_gemm<WideTileGemm<Element>>()})
     {
         if (status != cudaSuccess)
         {
@@ -781,6 +786,22 @@ cudaError_t launch_typed(void const* input, void const* weight, int64_t m, int64
     auto const launch = [&](auto gemm) {
         return launch_gemm<decltype(gemm)>(x, w, m, k, n, eps, inv_rms, splits, sm_count, delay_cycles, stream);
     };
+    if (k <= kRowSumsMaxK && m <= kRowSumsMaxRows)
+    {
+        if (tile_count(m, n, 64, 32) <= sm_count)
+        {
+            return launch(RowSumOneWaveGemm<Element, Shape<_64, _32, _64>>{});
+        }
+        if (tile_count(m, n, 64, 64) <= sm_count)
+        {
+            return launch(RowSumOneWaveGemm<Element, Shape<_64, _64, _64>>{});
+        }
+        if (tile_count(m, n, 64, 128) <= sm_count)
+        {
+            return launch(RowSumOneWaveGemm<Element, Shape<_64, _128, _64>>{});
+        }
+        return launch(RowSumPingPongGemm<Element>{});
+    }
     if (wide_tiles_fit(m, k, n, sm_count))
     {
         return launch(WideTileGemm<Element>{});
@@ -795,15 +816,11 @@ cudaError_t launch_typed(void const* input, void const* weight, int64_t m, int64
         {
             return launch(SmallTileGemm<Element>{});
         }
-        if (k <= kNarrowOneWaveMaxK && 4 * tile_count(m, n, 64, 32) <= 3 * sm_count)
-        {
-            return launch(OneWaveNarrowGemm<Element>{});
-        }
         if (k >= kLongKOneWaveMinK)
         {
-            return launch(OneWaveLongKGemm<Element>{});
+            return launch(OneWaveGemm<Element, Shape<_64, _64, _128>>{});
         }
-        return launch(OneWaveSquareGemm<Element>{});
+        return launch(OneWaveGemm<Element, Shape<_64, _64, _64>>{});
     }
     return launch(NarrowTileGemm<Element>{});
 }
