@@ -36,11 +36,15 @@ struct AutoTable
     int64_t epilogue_scale_min_rows;
     int64_t epilogue_scale_max_rows;
     int64_t epilogue_scale_max_k;
-    // ... and, where the splits form several runs, from epilogue_scale_long_k_min_rows to
-    // epilogue_scale_long_k_max_rows rows where K is at least epilogue_scale_long_k.
+    // ... and from epilogue_scale_long_k_min_rows to epilogue_scale_long_k_max_rows rows: where the
+    // splits form several runs with K at least epilogue_scale_long_k, and where they form one run
+    // with K at least epilogue_scale_one_run_min_k and K·N from prenorm_large_weight to below
+    // epilogue_scale_one_run_max_weight (prenorm's large-weight region then starts after these rows).
     int64_t epilogue_scale_long_k_min_rows;
     int64_t epilogue_scale_long_k_max_rows;
     int64_t epilogue_scale_long_k;
+    int64_t epilogue_scale_one_run_min_k;
+    int64_t epilogue_scale_one_run_max_weight;
 };
 
 constexpr AutoTable kAuto{
@@ -58,6 +62,8 @@ constexpr AutoTable kAuto{
     /*epilogue_scale_long_k_min_rows=*/64,
     /*epilogue_scale_long_k_max_rows=*/127,
     /*epilogue_scale_long_k=*/4096,
+    /*epilogue_scale_one_run_min_k=*/2048,
+    /*epilogue_scale_one_run_max_weight=*/int64_t(1) << 26,
 };
 
 bool valid_dtype(flashnorm_dtype dtype)
@@ -114,6 +120,23 @@ char const* problem_error(flashnorm_problem const* problem)
     return "";
 }
 
+// Whether epilogue-scale can run this problem's dtype and shape in this build (the device and
+// the pointers are known only at the call: epilogue_scale_refusal).
+bool epilogue_scale_fits(flashnorm_problem const& problem)
+{
+    return flashnorm::epilogue_scale_built()
+        && flashnorm::epilogue_scale_shape_fits(problem.dtype, problem.k, problem.n);
+}
+
+// Whether AUTO's one-run long-K epilogue-scale rows apply to this K, N and dtype (all splits one
+// run; any M).
+bool epilogue_scale_one_run_long_k(flashnorm_problem const& problem)
+{
+    int64_t const weight = problem.k * problem.n;
+    return epilogue_scale_fits(problem) && problem.k >= kAuto.epilogue_scale_one_run_min_k
+        && weight >= kAuto.prenorm_large_weight && weight < kAuto.epilogue_scale_one_run_max_weight;
+}
+
 // The fewest rows from which AUTO picks prenorm for this problem's K, splits and dtype. AUTO's
 // prenorm region is every M at or above it (the workspace size relies on that).
 int64_t prenorm_min_rows(flashnorm_problem const& problem)
@@ -122,9 +145,11 @@ int64_t prenorm_min_rows(flashnorm_problem const& problem)
         return kAuto.prenorm_min_rows_f32;
     flashnorm::SplitRun runs[FLASHNORM_MAX_OUTPUTS];
     int const run_count = flashnorm::split_runs(problem, runs);
+    if (run_count == 1 && problem.k * problem.n >= kAuto.prenorm_large_weight)
+        return epilogue_scale_one_run_long_k(problem) ? kAuto.epilogue_scale_long_k_max_rows + 1
+                                                      : kAuto.prenorm_min_rows_large_weight;
     if (run_count == 1)
-        return problem.k * problem.n >= kAuto.prenorm_large_weight ? kAuto.prenorm_min_rows_large_weight
-                                                                 : kAuto.prenorm_min_rows;
+        return kAuto.prenorm_min_rows;
     int64_t narrowest = problem.n;
     for (int r = 0; r < run_count; ++r)
         narrowest = std::min(narrowest, runs[r].columns());
@@ -139,14 +164,17 @@ bool auto_picks_epilogue_scale(flashnorm_problem const& problem)
 {
     bool const short_k = problem.k <= kAuto.epilogue_scale_max_k && problem.m >= kAuto.epilogue_scale_min_rows
         && problem.m <= kAuto.epilogue_scale_max_rows;
-    bool const long_k = problem.k >= kAuto.epilogue_scale_long_k && problem.m >= kAuto.epilogue_scale_long_k_min_rows
-        && problem.m <= kAuto.epilogue_scale_long_k_max_rows;
-    if (!flashnorm::epilogue_scale_built() || !flashnorm::epilogue_scale_shape_fits(problem.dtype, problem.k, problem.n))
+    bool const long_k_rows
+        = problem.m >= kAuto.epilogue_scale_long_k_min_rows && problem.m <= kAuto.epilogue_scale_long_k_max_rows;
+    if (!epilogue_scale_fits(problem))
         return false;
     if (short_k)
         return true;
+    if (!long_k_rows)
+        return false;
     flashnorm::SplitRun runs[FLASHNORM_MAX_OUTPUTS];
-    return long_k && flashnorm::split_runs(problem, runs) > 1;
+    return flashnorm::split_runs(problem, runs) > 1 ? problem.k >= kAuto.epilogue_scale_long_k
+                                                    : epilogue_scale_one_run_long_k(problem);
 }
 
 flashnorm_strategy resolve(flashnorm_problem const& problem)

@@ -23,7 +23,8 @@ SHAPES = [
     (1000, [333, 667]),
     (264, [7, 13, 5, 7]),
     (128, [8704, 8704]),  # 136 tiles of 64x128 from one row block: ping-pong 64x128 tiles
-    (1032, [8200, 1000]),  # just past the main loop's sums: ping-pong 64x64 tiles (to 256 rows), 128x128
+    (1032, [8200, 1000]),  # K past 1024: to 64 rows one wave of 64x128 tiles, the sums in the main loop; 128x128
+    (1032, [9000, 8000]),  # 64x128 tiles beyond one wave too: ping-pong 64x64 tiles with the reduction kernel
     (2056, [1040, 520, 496]),  # one wave of 64x64 tiles with the reduction kernel, a K tail
     (4104, [1032, 1024]),  # K >= 4096 in one wave of 64-row tiles: 128-deep K steps, a K tail
 ]
@@ -102,13 +103,17 @@ def test_outputs_at_odd_addresses_and_nothing_written_around_them(m, dtype, rng)
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_auto_region_and_its_fallback_on_unaligned_x(dtype, rng):
-    """AUTO picks epilogue-scale with K <= 1024 at 64..1024 rows (below prenorm's region) and for
-    q|k|v splits with K >= 4096 at 64..127 rows (kAuto), and where x is not 16-byte aligned runs
-    two_stream in the workspace AUTO sized, not an error."""
+    """AUTO picks epilogue-scale with K <= 1024 at 64..1024 rows (below prenorm's region), and at
+    64..127 rows for q|k|v splits with K >= 4096 and for one run of splits with K >= 2048 and
+    2^25 <= K·N < 2^26 (kAuto), and where x is not 16-byte aligned runs two_stream in the workspace
+    AUTO sized, not an error."""
     cuda_ops = cuda_ops_module()
     _require_epilogue_scale(cuda_ops)
     generator = generator_from(rng)
-    for m, k, splits in ((512, 576, [576, 192, 192]), (64, 576, [1536, 1536]), (64, 4096, [4096, 1024, 1024])):
+    cases = (
+        (512, 576, [576, 192, 192]), (64, 576, [1536, 1536]), (64, 4096, [4096, 1024, 1024]), (127, 2048, [8192, 8192])
+    )
+    for m, k, splits in cases:
         assert cuda_ops.resolve_strategy(m, k, sum(splits), dtype, splits) == "epilogue_scale"
         x, w = random_inputs(generator, m, k, sum(splits), dtype)
         shifted = torch.cat([x.new_zeros(1), x.flatten()])[1:].view(m, k)  # 2 bytes past a 16-byte boundary

@@ -142,8 +142,8 @@ def test_auto_strategy_through_the_python_binding(built_library, monkeypatch):
     assert cuda_ops.resolve_strategy(256, 576, 3072, torch.bfloat16, [1536, 1536]) == "prenorm"
     assert cuda_ops.resolve_strategy(63, 576, 3072, torch.bfloat16, [1536, 1536]) == "two_stream"
     assert cuda_ops.resolve_strategy(63, 2048, 16384, torch.bfloat16, [8192, 8192]) == "two_stream"
-    assert cuda_ops.resolve_strategy(64, 2048, 16384, torch.bfloat16, [8192, 8192]) == "prenorm"
     assert cuda_ops.resolve_strategy(64, 4096, 28672, torch.float16) == "prenorm"
+    assert cuda_ops.resolve_strategy(64, 2048, 32768, torch.bfloat16, [16384, 16384]) == "prenorm"
     assert cuda_ops.resolve_strategy(64, 4096, 6144, torch.bfloat16) == "two_stream"
     assert cuda_ops.resolve_strategy(64, 2048, 16384, torch.float32) == "two_stream"
     assert cuda_ops.resolve_strategy(1023, 4096, 6144, torch.float32, qkv) == "two_stream"
@@ -160,11 +160,13 @@ def epilogue_scale_built(built_library) -> bool:
 
 def test_auto_epilogue_scale_region(built_library, epilogue_scale_built, monkeypatch):
     """Built with the CUTLASS kernel, AUTO picks epilogue-scale for 64..1024 rows with K <= 1024
-    below prenorm's region, and where the splits form several runs for 64..127 rows with K >= 4096
-    (kAuto; measured faster than two_stream on SmolLM2-135M's q|k|v and gate|up and Llama-3.1-8B's
-    q|k|v there, kernels/NOTES.md); built without, two_stream. Either way AUTO reserves two_stream's
-    workspace there: the call falls back to two_stream where the device or the pointers refuse the
-    CUTLASS kernel."""
+    below prenorm's region, and for 64..127 rows where the splits form several runs with K >= 4096
+    or one run with K >= 2048 and 2^25 <= K·N < 2^26, prenorm's large-weight region then starting at 128
+    rows (kAuto; measured faster than two_stream on SmolLM2-135M's q|k|v and gate|up and Llama-3.1-8B's
+    q|k|v there, and than prenorm on Llama-3.2-1B's gate|up, kernels/NOTES.md); built without,
+    two_stream, or prenorm from 64 rows on a one-run W* of K·N >= 2^25. Either way AUTO reserves
+    two_stream's workspace there: the call falls back to two_stream where the device or the
+    pointers refuse the CUTLASS kernel."""
     import torch
 
     from flashnorm import cuda_ops
@@ -190,7 +192,19 @@ def test_auto_epilogue_scale_region(built_library, epilogue_scale_built, monkeyp
     assert cuda_ops.resolve_strategy(64, 4088, 6144, torch.bfloat16, qkv_8b) == "two_stream"
     assert cuda_ops.resolve_strategy(64, 4096, 6144, torch.float32, qkv_8b) == "two_stream"
     assert cuda_ops.resolve_strategy(64, 4096, 28672, torch.bfloat16, [14336, 14336]) == "prenorm"
-    for m, k, splits in ((64, 576, qkv), (1000, 576, qkv), (1024, 576, qkv), (64, 576, gate_up), (64, 4096, qkv_8b)):
+    # One run on long K: 64..127 rows where K >= 2048 and 2^25 <= K·N < 2^26 (Llama-3.2-1B's gate|up),
+    # ahead of prenorm, which a build without the kernel keeps from 64 rows there.
+    gate_up_1b = [8192, 8192]
+    one_run = "epilogue_scale" if epilogue_scale_built else "prenorm"
+    for m, expected in ((63, "two_stream"), (64, one_run), (127, one_run), (128, "prenorm")):
+        assert cuda_ops.resolve_strategy(m, 2048, 16384, torch.bfloat16, gate_up_1b) == expected, m
+    assert cuda_ops.resolve_strategy(64, 2048, 16384, torch.float32, gate_up_1b) == "two_stream"
+    assert cuda_ops.resolve_strategy(64, 2040, 16384, torch.bfloat16, gate_up_1b) == "two_stream"
+    for m, expected in ((64, "two_stream"), (255, "two_stream"), (256, "prenorm")):
+        assert cuda_ops.resolve_strategy(m, 2048, 11008, torch.bfloat16, [5504, 5504]) == expected, m
+    assert cuda_ops.resolve_strategy(64, 4096, 6144, torch.bfloat16) == "two_stream"
+    for m, k, splits in ((64, 576, qkv), (1000, 576, qkv), (1024, 576, qkv), (64, 576, gate_up), (64, 4096, qkv_8b),
+                         (64, 2048, gate_up_1b), (127, 2048, gate_up_1b)):
         two_stream = cuda_ops.workspace_size(m, k, splits, torch.bfloat16, "two_stream")
         assert cuda_ops.workspace_size(m, k, splits, torch.bfloat16) >= two_stream, (m, k)
 

@@ -2,7 +2,8 @@
 // that scales each accumulator row by inv_rms[row] and stores every column straight into its
 // split's output. Where the row sums come from depends on the tile:
 //
-// - short K (to 1024) and to 1024 rows, 64-row tiles: the main loop itself sums the squares of
+// - 64-row tiles on short K (to 1024) to 1024 rows, and on longer K to 256 rows where one wave of
+//   64×128 tiles covers N and 64×64 ones would not: the main loop itself sums the squares of
 //   each tile's rows of x from the A tiles the TMA brings into shared memory, and scales the
 //   accumulators before the epilogue stores them (RowSumMainloop). One kernel, launched with
 //   programmatic stream serialization; its joins: the producer's griddepcontrol.wait before its
@@ -628,7 +629,10 @@ constexpr int64_t kRowSumsMaxRows = 1024;
 // Longer K, to 256 rows: the same 64-row tiles with the reduction kernel in front, where the sums'
 // loads and squares in each K step of the main loop cost more than they save (H200: Llama-3.1-8B
 // q|k|v at M = 128 26.5 µs against 32.2, gate|up at 64 65.2 against 70.3); one wave of 64×64 tiles
-// (128-deep K steps on K ≥ 4096) or, beyond one wave, ping-pong 64×64 tiles.
+// (128-deep K steps on K ≥ 4096), else one wave of 64×128 tiles with the sums in the main loop
+// (twice the wgmma work per K step hides them: H200, 2026-12-03, Llama-3.2-1B gate|up at M = 64
+// 22.0 µs against 23.3 on ping-pong 64×64 tiles, q|k|v at 256 13.3 against 16.1, Llama-3.1-8B q|k|v
+// at 128 23.0 against 26.2), else ping-pong 64×64 tiles.
 template <class Element, class TileShape>
 using OneWaveGemm = ScaledGemm<Element, TileShape, cutlass::gemm::KernelTmaWarpSpecialized,
     cutlass::epilogue::TmaWarpSpecialized>;
@@ -814,6 +818,10 @@ cudaError_t launch_typed(void const* input, void const* weight, int64_t m, int64
     {
         if (tile_count(m, n, 64, 64) > sm_count)
         {
+            if (tile_count(m, n, 64, 128) <= sm_count)
+            {
+                return launch(RowSumOneWaveGemm<Element, Shape<_64, _128, _64>>{});
+            }
             return launch(SmallTileGemm<Element>{});
         }
         if (k >= kLongKOneWaveMinK)

@@ -49,17 +49,20 @@ typedef enum flashnorm_strategy
                                           N-wide output costs more than one over the K-wide input */
     FLASHNORM_STRATEGY_EPILOGUE_SCALE = 4, /* one CUTLASS sm90 GEMM scaling each row by rsqrt(mean(x²)+eps)
                                           and storing each split straight into its output. Where K <=
-                                          1024, to 1024 rows, its main loop sums the rows' squares from
-                                          the x tiles it loads; elsewhere a reduction kernel runs first
+                                          1024, to 1024 rows, and on longer K where one wave of its
+                                          64×128 tiles covers N (to 256 rows), its main loop sums the
+                                          rows' squares from the x tiles it loads; elsewhere a reduction
+                                          kernel runs first
                                           and the GEMM, launched after it with programmatic dependent
                                           launch, overlaps it and waits for it before its epilogue.
                                           fp16/bf16 with K and N multiples of 8 and 16-byte aligned
                                           x and W*, on compute capability 9.0, in builds that found the
                                           CUTLASS headers; elsewhere FLASHNORM_STATUS_UNSUPPORTED. AUTO picks
                                           it in its measured region only (K <= 1024 at 64..1024 rows below
-                                          prenorm's region; q|k|v-like splits with K >= 4096 at 64..127
-                                          rows) and runs two_stream instead where the device or the
-                                          pointers refuse it */
+                                          prenorm's region; at 64..127 rows q|k|v-like splits with
+                                          K >= 4096 and one run of equal splits with K >= 2048 and
+                                          2^25 <= K·N < 2^26) and runs two_stream instead where the
+                                          device or the pointers refuse it */
 } flashnorm_strategy;
 
 typedef enum flashnorm_status
