@@ -2,8 +2,8 @@
 // that scales each accumulator row by inv_rms[row] and stores every column straight into its
 // split's output. Where the row sums come from depends on the tile:
 //
-// - 64-row tiles on short K (to 1024) to 1024 rows, and on longer K to 256 rows where one wave of
-//   64×128 tiles covers N and 64×64 ones would not: the main loop itself sums the squares of
+// - 64-row tiles on short K (to 1024) to 1024 rows, and on longer K to 256 rows where 64×64 tiles
+//   would exceed one wave and 64×128 ones do not: the main loop itself sums the squares of
 //   each tile's rows of x from the A tiles the TMA brings into shared memory, and scales the
 //   accumulators before the epilogue stores them (RowSumMainloop). One kernel, launched with
 //   programmatic stream serialization; its joins: the producer's griddepcontrol.wait before its

@@ -49,10 +49,10 @@ typedef enum flashnorm_strategy
                                           N-wide output costs more than one over the K-wide input */
     FLASHNORM_STRATEGY_EPILOGUE_SCALE = 4, /* one CUTLASS sm90 GEMM scaling each row by rsqrt(mean(x²)+eps)
                                           and storing each split straight into its output. Where K <=
-                                          1024, to 1024 rows, and on longer K where one wave of its
-                                          64×128 tiles covers N (to 256 rows), its main loop sums the
-                                          rows' squares from the x tiles it loads; elsewhere a reduction
-                                          kernel runs first
+                                          1024, to 1024 rows, and on longer K to 256 rows where its
+                                          64×64 tiles would exceed one wave and 64×128 ones do not, its
+                                          main loop sums the rows' squares from the x tiles it loads;
+                                          elsewhere a reduction kernel runs first
                                           and the GEMM, launched after it with programmatic dependent
                                           launch, overlaps it and waits for it before its epilogue.
                                           fp16/bf16 with K and N multiples of 8 and 16-byte aligned
