@@ -21,7 +21,8 @@ struct AutoTable
     int64_t fused_max_rows_one_group;
     // ... and beyond it only while K·N is at most this (fused's re-read of W* per 8 rows).
     int64_t fused_max_weight_two_groups;
-    // prenorm, where all splits form one run: from this many rows ...
+    // prenorm, where all splits form one run: from this many rows (further up where the
+    // epilogue-scale GEMM's output fits epilogue_scale_one_wave_elements, below) ...
     int64_t prenorm_min_rows;
     // ... or from this many where K·N is at least prenorm_large_weight;
     int64_t prenorm_min_rows_large_weight;
@@ -31,19 +32,19 @@ struct AutoTable
     // fp32 (CUDA-core GEMMs): from this many rows, whatever the splits.
     int64_t prenorm_min_rows_f32;
     // epilogue-scale (builds with the CUTLASS kernel), where K is at most epilogue_scale_max_k:
-    // from epilogue_scale_min_rows to epilogue_scale_max_rows rows (below prenorm's region;
-    // elsewhere it measured slower than what AUTO picks) ...
+    // from epilogue_scale_min_rows to epilogue_scale_max_rows rows (below prenorm's region, which
+    // for one run of splits starts only past M·N = epilogue_scale_one_wave_elements, about one
+    // wave of its 64×128 tiles; elsewhere it measured slower than what AUTO picks) ...
     int64_t epilogue_scale_min_rows;
     int64_t epilogue_scale_max_rows;
     int64_t epilogue_scale_max_k;
-    // ... and from epilogue_scale_long_k_min_rows to epilogue_scale_long_k_max_rows rows: where the
-    // splits form several runs with K at least epilogue_scale_long_k, and where they form one run
-    // with K at least epilogue_scale_one_run_min_k and K·N from prenorm_large_weight to below
-    // epilogue_scale_one_run_max_weight (prenorm's large-weight region then starts after these rows).
+    int64_t epilogue_scale_one_wave_elements;
+    // ... and from epilogue_scale_long_k_min_rows to epilogue_scale_long_k_max_rows rows where K is
+    // at least epilogue_scale_long_k and, for one run of splits, K·N is below
+    // epilogue_scale_one_run_max_weight (a large-weight prenorm region then starts after these rows).
     int64_t epilogue_scale_long_k_min_rows;
     int64_t epilogue_scale_long_k_max_rows;
     int64_t epilogue_scale_long_k;
-    int64_t epilogue_scale_one_run_min_k;
     int64_t epilogue_scale_one_run_max_weight;
 };
 
@@ -59,10 +60,10 @@ constexpr AutoTable kAuto{
     /*epilogue_scale_min_rows=*/64,
     /*epilogue_scale_max_rows=*/1024,
     /*epilogue_scale_max_k=*/1024,
+    /*epilogue_scale_one_wave_elements=*/int64_t(1) << 20,
     /*epilogue_scale_long_k_min_rows=*/64,
     /*epilogue_scale_long_k_max_rows=*/127,
-    /*epilogue_scale_long_k=*/4096,
-    /*epilogue_scale_one_run_min_k=*/2048,
+    /*epilogue_scale_long_k=*/2048,
     /*epilogue_scale_one_run_max_weight=*/int64_t(1) << 26,
 };
 
@@ -80,7 +81,7 @@ bool valid_strategy(flashnorm_strategy strategy)
 
 // Why the epilogue-scale strategy cannot run this call, or "" when it can.
 char const* epilogue_scale_refusal(flashnorm_context const& context, flashnorm_problem const& problem,
-    void const* x, void const* w)
+    void const* x, void const* w, flashnorm::OutputSplits const& splits)
 {
     if (!flashnorm::epilogue_scale_built())
         return "epilogue_scale is not in this build (CUTLASS headers were not found at configure time)";
@@ -88,8 +89,12 @@ char const* epilogue_scale_refusal(flashnorm_context const& context, flashnorm_p
         return "epilogue_scale needs a compute capability 9.0 device (sm_90a code)";
     if (problem.dtype == FLASHNORM_DTYPE_F32)
         return "epilogue_scale is fp16/bf16 only (the sm90 tensor-core GEMM has no fp32 operands)";
-    if (!flashnorm::epilogue_scale_operands_fit(problem.dtype, x, w, problem.k, problem.n))
-        return "epilogue_scale needs K and N multiples of 8 and 16-byte aligned x and W* (TMA)";
+    if (!flashnorm::epilogue_scale_shape_fits(
+            problem.dtype, problem.k, problem.n, problem.num_outputs, problem.split_sizes))
+        return "epilogue_scale needs K and N multiples of 8 and every split to start at a multiple of 32 columns "
+               "(TMA)";
+    if (!flashnorm::epilogue_scale_pointers_fit(x, w, splits))
+        return "epilogue_scale needs 16-byte aligned x, W* and outputs (TMA)";
     return "";
 }
 
@@ -125,16 +130,27 @@ char const* problem_error(flashnorm_problem const* problem)
 bool epilogue_scale_fits(flashnorm_problem const& problem)
 {
     return flashnorm::epilogue_scale_built()
-        && flashnorm::epilogue_scale_shape_fits(problem.dtype, problem.k, problem.n);
+        && flashnorm::epilogue_scale_shape_fits(
+            problem.dtype, problem.k, problem.n, problem.num_outputs, problem.split_sizes);
 }
 
 // Whether AUTO's one-run long-K epilogue-scale rows apply to this K, N and dtype (all splits one
 // run; any M).
 bool epilogue_scale_one_run_long_k(flashnorm_problem const& problem)
 {
-    int64_t const weight = problem.k * problem.n;
-    return epilogue_scale_fits(problem) && problem.k >= kAuto.epilogue_scale_one_run_min_k
-        && weight >= kAuto.prenorm_large_weight && weight < kAuto.epilogue_scale_one_run_max_weight;
+    return epilogue_scale_fits(problem) && problem.k >= kAuto.epilogue_scale_long_k
+        && problem.k * problem.n < kAuto.epilogue_scale_one_run_max_weight;
+}
+
+// Where all splits form one run of a smaller W*: prenorm from prenorm_min_rows, or on short K
+// first past the rows whose epilogue-scale output fits about one wave of its tiles (at most to
+// the end of the epilogue-scale region).
+int64_t one_run_prenorm_min_rows(flashnorm_problem const& problem)
+{
+    if (!epilogue_scale_fits(problem) || problem.k > kAuto.epilogue_scale_max_k)
+        return kAuto.prenorm_min_rows;
+    int64_t const past_one_wave = kAuto.epilogue_scale_one_wave_elements / problem.n + 1;
+    return std::clamp(past_one_wave, kAuto.prenorm_min_rows, kAuto.epilogue_scale_max_rows + 1);
 }
 
 // The fewest rows from which AUTO picks prenorm for this problem's K, splits and dtype. AUTO's
@@ -149,7 +165,7 @@ int64_t prenorm_min_rows(flashnorm_problem const& problem)
         return epilogue_scale_one_run_long_k(problem) ? kAuto.epilogue_scale_long_k_max_rows + 1
                                                       : kAuto.prenorm_min_rows_large_weight;
     if (run_count == 1)
-        return kAuto.prenorm_min_rows;
+        return one_run_prenorm_min_rows(problem);
     int64_t narrowest = problem.n;
     for (int r = 0; r < run_count; ++r)
         narrowest = std::min(narrowest, runs[r].columns());
@@ -276,7 +292,7 @@ flashnorm_status enqueue(flashnorm_context* context, flashnorm_problem const* pr
     void const* const input = adds ? add.sum : x;
     if (strategy == FLASHNORM_STRATEGY_EPILOGUE_SCALE)
     {
-        char const* const refusal = epilogue_scale_refusal(*context, *problem, input, w);
+        char const* const refusal = epilogue_scale_refusal(*context, *problem, input, w, splits);
         if (*refusal != '\0' && problem->strategy == FLASHNORM_STRATEGY_AUTO)
             strategy = FLASHNORM_STRATEGY_TWO_STREAM;
         else if (*refusal != '\0')

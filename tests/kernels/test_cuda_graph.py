@@ -25,7 +25,7 @@ CALLS = [
 # the graph.
 EPILOGUE_SCALE_CALLS = [
     (64, 576, [576, 192, 192], torch.bfloat16, "epilogue_scale", True),
-    (300, 264, [40, 8, 16, 24], torch.float16, "epilogue_scale", False),
+    (300, 264, [32, 32, 32, 8], torch.float16, "epilogue_scale", False),
 ]
 
 

@@ -2,8 +2,9 @@
 epilogue; the RMS reduction in the GEMM's main loop on K <= 1024 to 1024 rows, elsewhere a kernel
 overlapped through programmatic dependent launch) against a float64 reference: M from 1 to 4096
 (every tile configuration), K and N that are multiples of 8 but not of
-the tiles, splits that cut through tiles, tiny row norms, outputs poisoned with NaN and placed so
-that the epilogue's 16-byte stores are misaligned; and the shapes it refuses, with the reason."""
+the tiles, splits that cut through tiles (at multiples of 32 columns, its TMA stores' box), tiny row
+norms, outputs poisoned with NaN; and the shapes and pointers it refuses, with the reason, where AUTO
+runs another strategy."""
 
 from __future__ import annotations
 
@@ -15,18 +16,18 @@ from kernel_reference import TOLERANCE, cuda_ops_module, generator_from, magnitu
 DTYPES = [torch.float16, torch.bfloat16]
 ROWS = [1, 2, 3, 7, 16, 64, 257, 1024, 4096]
 # (K, splits): the SmolLM2 qkv site, one split, K and N not multiples of the 64/128 tiles, splits
-# that start inside a tile, and splits of odd widths (N still a multiple of 8).
+# that start inside a tile, and last splits narrower than the 32-column store box (N a multiple of 8).
 SHAPES = [
     (576, [576, 192, 192]),
     (96, [64]),
-    (200, [40, 8, 16, 24]),
-    (1000, [333, 667]),
-    (264, [7, 13, 5, 7]),
+    (200, [32, 64, 96, 8]),
+    (1000, [352, 648]),
+    (264, [32, 32, 224, 8]),
     (128, [8704, 8704]),  # 136 tiles of 64x128 from one row block: ping-pong 64x128 tiles
-    (1032, [8200, 1000]),  # K past 1024: to 64 rows one wave of 64x128 tiles, the sums in the main loop; 128x128
-    (1032, [9000, 8000]),  # 64x128 tiles beyond one wave too: ping-pong 64x64 tiles with the reduction kernel
-    (2056, [1040, 520, 496]),  # one wave of 64x64 tiles with the reduction kernel, a K tail
-    (4104, [1032, 1024]),  # K >= 4096 in one wave of 64-row tiles: 128-deep K steps, a K tail
+    (1032, [8224, 976]),  # K past 1024: to 64 rows one wave of 64x128 tiles, the sums in the main loop; 128x128
+    (1032, [8992, 8008]),  # 64x128 tiles beyond one wave too: ping-pong 64x64 tiles with the reduction kernel
+    (2056, [1056, 512, 488]),  # one wave of 64x64 tiles with the reduction kernel, a K tail
+    (4104, [1056, 1000]),  # K >= 4096 in one wave of 64-row tiles: 128-deep K steps, a K tail
 ]
 
 
@@ -64,10 +65,10 @@ def test_matches_float64_reference(m, dtype, rng):
 def test_wide_tiles_with_row_and_split_tails(m, dtype, rng):
     """K = 2048 and N = 16896 run the 128x256 tiles in clusters of two along M: 5 row blocks (an
     odd count, so the last cluster is half out of range) or 8 with a partial last one, and a split
-    edge inside a tile (8200)."""
+    edge inside a tile (8224)."""
     cuda_ops = cuda_ops_module()
     _require_epilogue_scale(cuda_ops)
-    k, splits = 2048, [8200, 4344, 4352]
+    k, splits = 2048, [8224, 4320, 4352]
     x, w = random_inputs(generator_from(rng), m, k, sum(splits), dtype)
     outputs = [torch.full((m, size), float("nan"), dtype=dtype, device="cuda") for size in splits]
     cuda_ops.flashnorm_matmul(x, w, 1e-5, splits=splits, strategy="epilogue_scale", out=outputs)
@@ -76,15 +77,18 @@ def test_wide_tiles_with_row_and_split_tails(m, dtype, rng):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("m", [5, 300])
-def test_outputs_at_odd_addresses_and_nothing_written_around_them(m, dtype, rng):
-    """Outputs 1, 4 and 7 elements into one NaN buffer: the epilogue's 16-byte stores must fall
-    back to single stores where eight columns are not 16-byte aligned, and write nothing between
-    the outputs."""
+@pytest.mark.parametrize("m", [64, 300])
+def test_outputs_at_odd_addresses_are_refused_and_auto_writes_nothing_around_them(m, dtype, rng):
+    """Outputs 1, 4 and 7 elements into one NaN buffer, rows AUTO gives epilogue-scale: TMA cannot
+    store to them, so epilogue_scale refuses with the reason and AUTO runs two_stream, correct and
+    writing nothing between the outputs."""
+    from flashnorm.errors import FlashNormError
+
     cuda_ops = cuda_ops_module()
     _require_epilogue_scale(cuda_ops)
     generator = generator_from(rng)
-    k, splits = 256, [64, 40, 24]
+    k, splits = 256, [64, 64, 32]
+    assert cuda_ops.resolve_strategy(m, k, sum(splits), dtype, splits) == "epilogue_scale"
     x, w = random_inputs(generator, m, k, sum(splits), dtype)
     storage = torch.full((m * sum(splits) + 32,), float("nan"), dtype=dtype, device="cuda")
     outputs, starts, start = [], [], 1
@@ -92,7 +96,10 @@ def test_outputs_at_odd_addresses_and_nothing_written_around_them(m, dtype, rng)
         starts.append(start)
         outputs.append(storage[start : start + m * size].view(m, size))
         start += m * size + 3
-    cuda_ops.flashnorm_matmul(x, w, 1e-5, splits=splits, strategy="epilogue_scale", out=outputs)
+    with pytest.raises(FlashNormError, match="16-byte aligned x, W\\* and outputs"):
+        cuda_ops.flashnorm_matmul(x, w, 1e-5, splits=splits, strategy="epilogue_scale", out=outputs)
+    assert storage.isnan().all(), f"m={m} {dtype}: the refused call wrote"
+    cuda_ops.flashnorm_matmul(x, w, 1e-5, splits=splits, strategy="auto", out=outputs)
     _assert_matches(outputs, x, w, 1e-5, splits, f"m={m} {dtype}")
     written = torch.zeros(storage.numel(), dtype=torch.bool, device="cuda")
     for begin, size in zip(starts, splits):
@@ -104,14 +111,14 @@ def test_outputs_at_odd_addresses_and_nothing_written_around_them(m, dtype, rng)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_auto_region_and_its_fallback_on_unaligned_x(dtype, rng):
     """AUTO picks epilogue-scale with K <= 1024 at 64..1024 rows (below prenorm's region), and at
-    64..127 rows for q|k|v splits with K >= 4096 and for one run of splits with K >= 2048 and
-    2^25 <= K·N < 2^26 (kAuto), and where x is not 16-byte aligned runs two_stream in the workspace
-    AUTO sized, not an error."""
+    64..127 rows with K >= 2048 for q|k|v splits and for one run of splits with K·N < 2^26 (kAuto),
+    and where x is not 16-byte aligned runs two_stream in the workspace AUTO sized, not an error."""
     cuda_ops = cuda_ops_module()
     _require_epilogue_scale(cuda_ops)
     generator = generator_from(rng)
     cases = (
-        (512, 576, [576, 192, 192]), (64, 576, [1536, 1536]), (64, 4096, [4096, 1024, 1024]), (127, 2048, [8192, 8192])
+        (512, 576, [576, 192, 192]), (64, 576, [1536, 1536]), (64, 4096, [4096, 1024, 1024]), (127, 2048, [8192, 8192]),
+        (64, 2048, [2048, 512, 512]), (300, 576, [1536, 1536]),
     )
     for m, k, splits in cases:
         assert cuda_ops.resolve_strategy(m, k, sum(splits), dtype, splits) == "epilogue_scale"
@@ -131,8 +138,9 @@ def test_auto_region_and_its_fallback_on_unaligned_x(dtype, rng):
         (torch.float32, 256, [64], "fp16/bf16 only"),
         (torch.bfloat16, 100, [64], "multiples of 8"),
         (torch.bfloat16, 256, [37], "multiples of 8"),
+        (torch.bfloat16, 256, [40, 24], "multiple of 32 columns"),
     ],
-    ids=["fp32", "k-tail", "n-tail"],
+    ids=["fp32", "k-tail", "n-tail", "split-edge"],
 )
 def test_refuses_what_it_cannot_run_and_auto_does_not_pick_it(dtype, k, splits, reason, rng):
     from flashnorm.errors import FlashNormError

@@ -139,12 +139,12 @@ def test_auto_strategy_through_the_python_binding(built_library, monkeypatch):
     assert cuda_ops.resolve_strategy(3413, 576, 960, torch.bfloat16, [576, 192, 192]) == "two_stream"
     assert cuda_ops.resolve_strategy(3414, 576, 960, torch.bfloat16, [576, 192, 192]) == "prenorm"
     assert cuda_ops.resolve_strategy(4096, 576, 960, torch.bfloat16, [192, 576, 192]) == "two_stream"
-    assert cuda_ops.resolve_strategy(256, 576, 3072, torch.bfloat16, [1536, 1536]) == "prenorm"
+    assert cuda_ops.resolve_strategy(512, 576, 3072, torch.bfloat16, [1536, 1536]) == "prenorm"
     assert cuda_ops.resolve_strategy(63, 576, 3072, torch.bfloat16, [1536, 1536]) == "two_stream"
     assert cuda_ops.resolve_strategy(63, 2048, 16384, torch.bfloat16, [8192, 8192]) == "two_stream"
     assert cuda_ops.resolve_strategy(64, 4096, 28672, torch.float16) == "prenorm"
     assert cuda_ops.resolve_strategy(64, 2048, 32768, torch.bfloat16, [16384, 16384]) == "prenorm"
-    assert cuda_ops.resolve_strategy(64, 4096, 6144, torch.bfloat16) == "two_stream"
+    assert cuda_ops.resolve_strategy(128, 4096, 6144, torch.bfloat16) == "two_stream"
     assert cuda_ops.resolve_strategy(64, 2048, 16384, torch.float32) == "two_stream"
     assert cuda_ops.resolve_strategy(1023, 4096, 6144, torch.float32, qkv) == "two_stream"
     assert cuda_ops.resolve_strategy(1024, 4096, 6144, torch.float32, qkv) == "prenorm"
@@ -160,13 +160,13 @@ def epilogue_scale_built(built_library) -> bool:
 
 def test_auto_epilogue_scale_region(built_library, epilogue_scale_built, monkeypatch):
     """Built with the CUTLASS kernel, AUTO picks epilogue-scale for 64..1024 rows with K <= 1024
-    below prenorm's region, and for 64..127 rows where the splits form several runs with K >= 4096
-    or one run with K >= 2048 and 2^25 <= K·N < 2^26, prenorm's large-weight region then starting at 128
-    rows (kAuto; measured faster than two_stream on SmolLM2-135M's q|k|v and gate|up and Llama-3.1-8B's
-    q|k|v there, and than prenorm on Llama-3.2-1B's gate|up, kernels/NOTES.md); built without,
-    two_stream, or prenorm from 64 rows on a one-run W* of K·N >= 2^25. Either way AUTO reserves
-    two_stream's workspace there: the call falls back to two_stream where the device or the
-    pointers refuse the CUTLASS kernel."""
+    below prenorm's region (which for one run of splits starts past M·N = 2^20 there), and for
+    64..127 rows with K >= 2048 where the splits form several runs or one run with K·N < 2^26, a
+    large-weight prenorm region then starting at 128 rows (kAuto; measured faster than what AUTO
+    picked before on SmolLM2-135M's, Llama-3.2-1B's and Llama-3.1-8B's q|k|v and SmolLM2-135M's and
+    Llama-3.2-1B's gate|up, kernels/NOTES.md); built without, two_stream, or prenorm from 64 rows on
+    a one-run W* of K·N >= 2^25. Either way AUTO reserves two_stream's workspace there: the call
+    falls back to two_stream where the device or the pointers refuse the CUTLASS kernel."""
     import torch
 
     from flashnorm import cuda_ops
@@ -178,18 +178,23 @@ def test_auto_epilogue_scale_region(built_library, epilogue_scale_built, monkeyp
     for m, expected in ((63, "two_stream"), (64, region), (1024, region), (1025, "two_stream")):
         assert cuda_ops.resolve_strategy(m, 576, 960, torch.bfloat16, qkv) == expected, m
     gate_up = [1536, 1536]
-    for m, expected in ((63, "two_stream"), (64, region), (255, region), (256, "prenorm")):
+    prenorm_from = 2**20 // 3072 + 1 if epilogue_scale_built else 256
+    for m, expected in ((63, "two_stream"), (64, region), (prenorm_from - 1, region), (prenorm_from, "prenorm")):
         assert cuda_ops.resolve_strategy(m, 576, 3072, torch.bfloat16, gate_up) == expected, m
+    one_output = "epilogue_scale" if epilogue_scale_built else "prenorm"
+    for m, expected in ((255, region), (256, one_output), (1024, one_output), (1025, "prenorm")):
+        assert cuda_ops.resolve_strategy(m, 576, 960, torch.bfloat16) == expected, m
     assert cuda_ops.resolve_strategy(512, 576, 960, torch.float16, qkv) == region
     assert cuda_ops.resolve_strategy(512, 576, 960, torch.float32, qkv) == "two_stream"
     assert cuda_ops.resolve_strategy(512, 2048, 3072, torch.bfloat16, [2048, 512, 512]) == "two_stream"
     assert cuda_ops.resolve_strategy(512, 576, 3072, torch.bfloat16, [1536, 1536]) == "prenorm"
     assert cuda_ops.resolve_strategy(512, 576, 964, torch.bfloat16, [576, 192, 196]) == "two_stream"
-    # The long-K region: 64..127 rows where K >= 4096 (Llama-3.1-8B's q|k|v).
+    # The long-K region: 64..127 rows where K >= 2048 (Llama-3.2-1B's and Llama-3.1-8B's q|k|v).
     qkv_8b = [4096, 1024, 1024]
     for m, expected in ((63, "two_stream"), (64, region), (127, region), (128, "two_stream")):
         assert cuda_ops.resolve_strategy(m, 4096, 6144, torch.bfloat16, qkv_8b) == expected, m
-    assert cuda_ops.resolve_strategy(64, 4088, 6144, torch.bfloat16, qkv_8b) == "two_stream"
+        assert cuda_ops.resolve_strategy(m, 2048, 3072, torch.bfloat16, [2048, 512, 512]) == expected, m
+    assert cuda_ops.resolve_strategy(64, 2040, 6144, torch.bfloat16, qkv_8b) == "two_stream"
     assert cuda_ops.resolve_strategy(64, 4096, 6144, torch.float32, qkv_8b) == "two_stream"
     assert cuda_ops.resolve_strategy(64, 4096, 28672, torch.bfloat16, [14336, 14336]) == "prenorm"
     # One run on long K: 64..127 rows where K >= 2048 and 2^25 <= K·N < 2^26 (Llama-3.2-1B's gate|up),
@@ -200,12 +205,14 @@ def test_auto_epilogue_scale_region(built_library, epilogue_scale_built, monkeyp
         assert cuda_ops.resolve_strategy(m, 2048, 16384, torch.bfloat16, gate_up_1b) == expected, m
     assert cuda_ops.resolve_strategy(64, 2048, 16384, torch.float32, gate_up_1b) == "two_stream"
     assert cuda_ops.resolve_strategy(64, 2040, 16384, torch.bfloat16, gate_up_1b) == "two_stream"
-    for m, expected in ((64, "two_stream"), (255, "two_stream"), (256, "prenorm")):
+    # One run below 2^25, K >= 2048: 64..127 rows, then two_stream up to prenorm's 256 rows.
+    for m, expected in ((64, region), (127, region), (128, "two_stream"), (255, "two_stream"), (256, "prenorm")):
         assert cuda_ops.resolve_strategy(m, 2048, 11008, torch.bfloat16, [5504, 5504]) == expected, m
-    assert cuda_ops.resolve_strategy(64, 4096, 6144, torch.bfloat16) == "two_stream"
-    reserved = [(64, 576, qkv), (1000, 576, qkv), (1024, 576, qkv), (64, 576, gate_up), (64, 4096, qkv_8b)]
+        assert cuda_ops.resolve_strategy(m, 4096, 6144, torch.bfloat16) == expected, m
+    reserved = [(64, 576, qkv), (1000, 576, qkv), (1024, 576, qkv), (64, 576, gate_up), (64, 4096, qkv_8b),
+                (127, 2048, [2048, 512, 512]), (prenorm_from - 1, 576, gate_up)]
     if epilogue_scale_built:  # without the kernel these rows are prenorm's
-        reserved += [(64, 2048, gate_up_1b), (127, 2048, gate_up_1b)]
+        reserved += [(64, 2048, gate_up_1b), (127, 2048, gate_up_1b), (1024, 576, [960])]
     for m, k, splits in reserved:
         two_stream = cuda_ops.workspace_size(m, k, splits, torch.bfloat16, "two_stream")
         assert cuda_ops.workspace_size(m, k, splits, torch.bfloat16) >= two_stream, (m, k)

@@ -21,10 +21,14 @@
 //
 // Why a custom epilogue node instead of a grouped (pointer-array) GEMM with one group per split:
 // the splits share A and the scale vector, and a column tile of the one [M, N] GEMM lies in one
-// split or straddles two; storing from registers by each element's global column needs no device
-// arrays of problem shapes and pointers (which a grouped GEMM reads, so a capture-safe call would
-// need an extra kernel to write them) and no per-group TMA descriptor rewrites. D is `void` to
-// CUTLASS, so its shared-memory staging and TMA store are compiled out.
+// split or straddles two. The node stages each 32-column subtile in the collective's own store
+// buffers (D is `void` to CUTLASS, which keeps the buffers and its store pipeline but stores
+// nothing itself) and TMA-stores it into the one split it lies in, through one tensor map per
+// split built on the host with the kernel's parameters: no device arrays of problem shapes and
+// pointers (which a grouped GEMM reads, so a capture-safe call would need an extra kernel to write
+// them) and no descriptor rewrites on the device. Splits must therefore start at multiples of 32
+// columns (epilogue_scale_shape_fits). On the H200 this made the kernel 0.68-0.95x as long as
+// storing from registers (2026-12-03: SmolLM2-135M q|k|v at 1024 rows 9.0 -> 6.1 µs; kernels/NOTES.md).
 #include "kernels/kernels.h"
 
 #ifdef FLASHNORM_HAVE_CUTLASS
@@ -77,15 +81,40 @@ CUTLASS_DEVICE int second_row_offset(Coordinates const& coordinates)
     return offset;
 }
 
+// Whether two swizzled layouts (ComposedLayout<Swizzle, offset, Layout>) have the same swizzle and
+// the same layout once coalesced: their types may still differ in how the modes are spelled.
+template <class First, class Second>
+constexpr bool same_swizzled_layout(First first, Second second)
+{
+    return cute::is_same_v<decltype(first.layout_a()), decltype(second.layout_a())>
+        && cute::is_same_v<decltype(coalesce(first.layout_b())), decltype(coalesce(second.layout_b()))>;
+}
+
 // The epilogue visitor (root of the fusion tree): value = acc · inv_rms[row] (or acc, where the
-// main loop has scaled the accumulators: ScalesRows false), stored from registers to
-// outputs[split(col)][row, col - offset]. Eight consecutive columns of one row and split move as
-// one 16-byte store where the address allows (reduce(), below).
-template <class Element, bool ScalesRows>
+// main loop has scaled the accumulators: ScalesRows false), staged in the collective's shared-memory
+// store buffers and written to its split's output by one TMA tensor store. Each split is its own
+// [M, width] tensor map whose box is the epilogue subtile; splits start at multiples of the
+// subtile's columns, so a subtile lies in one split (a box starting left of a tensor, which a
+// straddling subtile would need for the later split, is an illegal instruction on the H200), and
+// TMA writes only the elements inside the tensor, which clips the M tail and a last split narrower
+// than the box. The collective's store pipeline orders the buffer's reuse after the TMA unit has
+// read it, as for its own D.
+template <class Element, bool ScalesRows, class EpilogueTile>
 struct RowScaleSplitStore
 {
-    // With ElementD = void the collective sizes its (unused) D staging types by this.
+    // With ElementD = void the collective sizes its store buffers (which this visitor fills) by this.
     using ElementAux = Element;
+
+    // One buffer of the collective's store pipeline, as the builder lays it out for a row-major
+    // 16-bit D of this subtile (the staged tensor reduce() receives is asserted to match).
+    using SmemLayoutAtom = decltype(cutlass::epilogue::collective::detail::sm90_get_epilogue_smem_swizzle_layout_atom<
+        cutlass::detail::TagToStrideC_t<cutlass::layout::RowMajor>, Element, EpilogueTile>());
+    using StageLayout = decltype(tile_to_shape(
+        SmemLayoutAtom{}, make_shape(size<0>(EpilogueTile{}), size<1>(EpilogueTile{})), Step<_1, _2>{}));
+    // A split's output: [M, width] row-major, rows width apart.
+    using SplitLayout = Layout<Shape<int32_t, int32_t>, Stride<int64_t, _1>>;
+    using SplitStore = decltype(make_tma_copy(
+        SM90_TMA_STORE{}, make_tensor(static_cast<Element*>(nullptr), SplitLayout{}), StageLayout{}));
 
     struct SharedStorage
     {
@@ -96,18 +125,50 @@ struct RowScaleSplitStore
         float const* inv_rms = nullptr;
         OutputSplits splits{};
     };
-    using Params = Arguments;
+
+    struct Params
+    {
+        float const* inv_rms;
+        OutputSplits splits;
+        SplitStore split_stores[FLASHNORM_MAX_OUTPUTS];
+    };
 
     template <class ProblemShape>
-    static constexpr Params to_underlying_arguments(ProblemShape const&, Arguments const& args, void*)
+    static Params to_underlying_arguments(ProblemShape const& problem_shape, Arguments const& args, void*)
     {
-        return args;
+        Params params{args.inv_rms, args.splits, {}};
+        int32_t const rows = static_cast<int32_t>(get<0>(problem_shape));
+        for (int split = 0; split < args.splits.count; ++split)
+        {
+            int64_t const width = args.splits.offsets[split + 1] - args.splits.offsets[split];
+            params.split_stores[split] = make_tma_copy(SM90_TMA_STORE{},
+                make_tensor(static_cast<Element*>(args.splits.outputs[split]),
+                    make_layout(make_shape(rows, static_cast<int32_t>(width)), make_stride(width, _1{}))),
+                StageLayout{});
+        }
+        return params;
     }
 
+    // TMA: 16-byte aligned outputs whose rows are a multiple of 16 bytes apart, each split starting
+    // at a multiple of the subtile's columns.
     template <class ProblemShape>
     static bool can_implement(ProblemShape const&, Arguments const& args)
     {
-        return (!ScalesRows || args.inv_rms != nullptr) && args.splits.count >= 1;
+        if ((ScalesRows && args.inv_rms == nullptr) || args.splits.count < 1)
+        {
+            return false;
+        }
+        for (int split = 0; split < args.splits.count; ++split)
+        {
+            int64_t const width = args.splits.offsets[split + 1] - args.splits.offsets[split];
+            if (reinterpret_cast<uintptr_t>(args.splits.outputs[split]) % 16 != 0
+                || width * int64_t(sizeof(Element)) % 16 != 0
+                || args.splits.offsets[split] % int64_t(size<1>(EpilogueTile{})) != 0)
+            {
+                return false;
+            }
+        }
+        return true;
     }
 
     template <class ProblemShape>
@@ -126,11 +187,12 @@ struct RowScaleSplitStore
     CUTLASS_HOST_DEVICE RowScaleSplitStore() {}
 
     CUTLASS_HOST_DEVICE RowScaleSplitStore(Params const& params, SharedStorage const&)
-        : params(params)
+        : params(&params)
     {
     }
 
-    Params params;
+    // The kernel's parameters (grid constants): the tensor maps are addressed there, not copied.
+    Params const* params = nullptr;
 
     CUTLASS_DEVICE bool is_producer_load_needed() const
     {
@@ -148,24 +210,18 @@ struct RowScaleSplitStore
         return cutlass::epilogue::fusion::detail::EmptyProducerLoadCallbacks{};
     }
 
-    // Where one column goes: the output that owns it, and the column's index there.
-    struct SplitColumn
-    {
-        Element* output;
-        int64_t width;
-        int64_t column;
-        int64_t end; // the owning split's last column + 1, in the global numbering
-    };
-
-    template <class CoordTensor, class Residue>
+    template <class CoordTensor, class Residue, class TiledCopy>
     struct ConsumerStoreCallbacks : cutlass::epilogue::fusion::detail::EmptyConsumerStoreCallbacks
     {
-        CUTLASS_DEVICE ConsumerStoreCallbacks(
-            CoordTensor relative_, Residue residue_, int rows_, int cols_, Params const& params_)
+        CUTLASS_DEVICE ConsumerStoreCallbacks(CoordTensor relative_, Residue residue_, int rows_, int tile_row_,
+            int tile_col_, TiledCopy tiled_copy_, int thread_idx_, Params const* params_)
             : relative(relative_)
             , residue(residue_)
             , rows(rows_)
-            , cols(cols_)
+            , tile_row(tile_row_)
+            , tile_col(tile_col_)
+            , tiled_copy(tiled_copy_)
+            , thread_idx(thread_idx_)
             , params(params_)
         {
         }
@@ -173,59 +229,31 @@ struct RowScaleSplitStore
         CoordTensor relative; // (CPY,CPY_M,CPY_N,EPI_M,EPI_N): coordinates from this thread's first element
         Residue residue;      // (M, N) minus this thread's first element's global coordinate
         int rows;
-        int cols;
-        Params const& params;
+        int tile_row; // the CTA tile's first row and column
+        int tile_col;
+        TiledCopy tiled_copy; // the collective's register-to-shared copy for its own D
+        int thread_idx;
+        Params const* params;
 
-        // Per tile, begin() works out once what every store of this thread needs, so that a store
-        // costs a few 32-bit compares and one add. A thread's accumulators lie in two rows of the
-        // tile in wgmma's layout (r and r + 8 of a warp's 16) and in one column range of at most the
-        // tile's width, which meets the split of its first column and often the next one. Looking
-        // the split up per element pair instead (a walk over FLASHNORM_MAX_OUTPUTS 64-bit offsets
-        // and pointers, about 150 PTX instructions a pair) made the kernel 1.0-1.25x slower on the
-        // H200 (kernels/NOTES.md). Elements outside these rows and two splits take the general
-        // path (locate).
+        // A thread's accumulators lie in two rows of the tile in wgmma's layout (r and r + 8 of a
+        // warp's 16): their scales are read once per tile.
         int first_row = 0;
         int second_row = 0;
         float first_scale = 0.0f;
         float second_scale = 0.0f;
-        int split_begin = 0;    // first global column of the split of this thread's first column
-        int split_end = 0;      // one past its last, = first column of the next split
-        int next_split_end = 0; // one past the next split's last column
-        // Byte address of global column 0 of a row, in a split's numbering: [row][split], row 0 =
-        // first_row, 1 = second_row; split 0 = this thread's first split, 1 = the next one.
-        uintptr_t column_zero[2][2] = {};
+        // The store buffer reduce() last filled, which tma_store() then writes out.
+        Element* staged = nullptr;
 
         CUTLASS_DEVICE void begin()
         {
-            first_row = rows - int(get<0>(residue));
-            second_row = first_row + second_row_offset(relative);
             if constexpr (ScalesRows)
             {
+                first_row = rows - int(get<0>(residue));
+                second_row = first_row + second_row_offset(relative);
                 wait_for_previous_grids();
                 // Through L2 (ld.global.cg), as the reduction grid wrote them.
-                first_scale = first_row < rows ? __ldcg(params.inv_rms + first_row) : 0.0f;
-                second_scale = second_row < rows ? __ldcg(params.inv_rms + second_row) : 0.0f;
-            }
-
-            int const first_col = cols - int(get<1>(residue));
-            SplitColumn const here = locate(first_col < cols ? first_col : cols - 1);
-            split_begin = int(here.end - here.width);
-            split_end = int(here.end);
-            SplitColumn const next = locate(split_end < cols ? split_end : cols - 1);
-            next_split_end = split_end < cols ? int(next.end) : split_end;
-            SplitColumn const splits[2] = {here, next};
-            int const own_rows[2] = {first_row, second_row};
-            CUTLASS_PRAGMA_UNROLL
-            for (int r = 0; r < 2; ++r)
-            {
-                CUTLASS_PRAGMA_UNROLL
-                for (int split = 0; split < 2; ++split)
-                {
-                    int64_t const begin_column = splits[split].end - splits[split].width;
-                    // Unsigned wrap-around: the sum with a column of this split is the real address.
-                    column_zero[r][split] = reinterpret_cast<uintptr_t>(splits[split].output)
-                        + uintptr_t(own_rows[r] * splits[split].width - begin_column) * sizeof(Element);
-                }
+                first_scale = first_row < rows ? __ldcg(params->inv_rms + first_row) : 0.0f;
+                second_scale = second_row < rows ? __ldcg(params->inv_rms + second_row) : 0.0f;
             }
         }
 
@@ -239,163 +267,87 @@ struct RowScaleSplitStore
             {
                 return second_scale;
             }
-            return __ldcg(params.inv_rms + row);
+            return row < rows ? __ldcg(params->inv_rms + row) : 0.0f;
         }
 
-        // The address of (row, col) when the columns col..last_col lie in one of this thread's two
-        // splits and row is one of its two rows; 0 otherwise (then locate() answers).
-        CUTLASS_DEVICE uintptr_t fast_address(int row, int col, int last_col) const
-        {
-            bool const in_first = col >= split_begin && last_col < split_end;
-            bool const in_next = col >= split_end && last_col < next_split_end;
-            if ((row != first_row && row != second_row) || !(in_first || in_next))
-            {
-                return 0;
-            }
-            // Constant indices only: a run-time index would put column_zero in local memory.
-            uintptr_t const first_split_zero = row == first_row ? column_zero[0][0] : column_zero[1][0];
-            uintptr_t const next_split_zero = row == first_row ? column_zero[0][1] : column_zero[1][1];
-            return (in_first ? first_split_zero : next_split_zero) + uintptr_t(col) * sizeof(Element);
-        }
-
-        // The split of global column `col`, found with constant indices only: indexing the split
-        // table with a run-time index put it in local memory (ptxas: a 168-byte stack frame).
-        CUTLASS_DEVICE SplitColumn locate(int col) const
-        {
-            OutputSplits const& splits = params.splits;
-            SplitColumn found{static_cast<Element*>(splits.outputs[0]), splits.offsets[1], col, splits.offsets[1]};
-            CUTLASS_PRAGMA_UNROLL
-            for (int split = 1; split < FLASHNORM_MAX_OUTPUTS; ++split)
-            {
-                if (split < splits.count && col >= splits.offsets[split])
-                {
-                    found = {static_cast<Element*>(splits.outputs[split]),
-                        splits.offsets[split + 1] - splits.offsets[split], col - splits.offsets[split],
-                        splits.offsets[split + 1]};
-                }
-            }
-            return found;
-        }
-
-        // Stores through st.global, which the compiler knows cannot touch local or shared memory.
-        CUTLASS_DEVICE void store_element(int row, int col, Element value) const
-        {
-            if (row < rows && col < cols)
-            {
-                uintptr_t address = fast_address(row, col, col);
-                if (address == 0)
-                {
-                    SplitColumn const target = locate(col);
-                    address = reinterpret_cast<uintptr_t>(target.output + row * target.width + target.column);
-                }
-                __stcg(reinterpret_cast<unsigned short*>(address), reinterpret_cast<unsigned short const&>(value));
-            }
-        }
-
-        // Eight consecutive columns of one row (two packed per word): one 16-byte store where they
-        // lie in one split at a 16-byte aligned address, else one store each.
-        CUTLASS_DEVICE void store_eight(int row, int col, uint32_t const (&words)[4]) const
-        {
-            if (row < rows && col + 7 < cols)
-            {
-                uintptr_t const address = fast_address(row, col, col + 7);
-                if (address != 0 && address % 16 == 0)
-                {
-                    __stcg(reinterpret_cast<uint4*>(address), make_uint4(words[0], words[1], words[2], words[3]));
-                    return;
-                }
-            }
-            CUTLASS_PRAGMA_UNROLL
-            for (int i = 0; i < 8; ++i)
-            {
-                unsigned short const bits = static_cast<unsigned short>(words[i / 2] >> (16 * (i % 2)));
-                store_element(row, col + i, reinterpret_cast<Element const&>(bits));
-            }
-        }
-
-        // The scaled values; reduce() stores them once the whole subtile has been visited.
+        // The scaled values; reduce() stages them once the whole subtile has been visited.
         template <typename ElementAccumulator, int FragmentSize>
         CUTLASS_DEVICE cutlass::Array<float, FragmentSize> visit(
             cutlass::Array<ElementAccumulator, FragmentSize> const& frg_acc, int epi_v, int epi_m, int epi_n)
         {
-            Tensor relative_mn = relative(_, _, _, epi_m, epi_n);
             cutlass::Array<float, FragmentSize> scaled;
-            CUTLASS_PRAGMA_UNROLL
-            for (int i = 0; i < FragmentSize; ++i)
+            if constexpr (ScalesRows)
             {
-                int const row = first_row + int(get<0>(relative_mn(epi_v * FragmentSize + i)));
-                scaled[i] = ScalesRows ? float(frg_acc[i]) * (row < rows ? scale_of(row) : 0.0f) : float(frg_acc[i]);
+                Tensor relative_mn = relative(_, _, _, epi_m, epi_n);
+                CUTLASS_PRAGMA_UNROLL
+                for (int i = 0; i < FragmentSize; ++i)
+                {
+                    int const row = first_row + int(get<0>(relative_mn(epi_v * FragmentSize + i)));
+                    scaled[i] = float(frg_acc[i]) * scale_of(row);
+                }
+            }
+            else
+            {
+                CUTLASS_PRAGMA_UNROLL
+                for (int i = 0; i < FragmentSize; ++i)
+                {
+                    scaled[i] = float(frg_acc[i]);
+                }
             }
             return scaled;
         }
 
-        // Stores one subtile. In wgmma's accumulator layout the four threads of a quad (lanes 4q..4q+3)
-        // share two rows, r and r + 8, and thread t holds columns 8g + 2t and 8g + 2t + 1 of each
-        // 8-column group g: a 4-byte piece of every group. Four shuffles per group of four turn that
-        // around, so that thread t holds all eight columns of group 4b + t and stores them as one
-        // 16-byte vector: a warp then writes whole 32-byte sectors (8 rows x 32 bytes per store)
-        // instead of half sectors from 4-byte stores (kernels/NOTES.md, "16-byte stores").
+        // Converts the subtile to Element and copies it into the current store buffer with the
+        // collective's own register-to-shared copy (stmatrix), as the collective does for a D.
         template <class STensor, class SyncFn, class VTensor>
-        CUTLASS_DEVICE void reduce(STensor&&, SyncFn const&, int epi_m, int epi_n, bool, VTensor visit_results)
+        CUTLASS_DEVICE void reduce(STensor&& buffer, SyncFn const&, int, int, bool, VTensor visit_results)
         {
             using Fragment = typename cute::remove_cvref_t<VTensor>::value_type;
             constexpr int kFragment = Fragment::kElements;
-            constexpr int kElements = kFragment * decltype(size(visit_results))::value;
-            constexpr int kGroups = kElements / 4; // 8-column groups of each of the thread's two rows
-            static_assert(kElements % 16 == 0, "a subtile must give each thread whole groups of four");
-            Tensor relative_mn = relative(_, _, _, epi_m, epi_n);
-            int const row_zero = int(get<0>(relative_mn(0)));
-            int const col_zero = int(get<1>(relative_mn(0)));
-
-            // pieces[h][g]: columns 8g + 2t, +1 of the thread's row h (offsets are static: these
-            // indices fold to constants).
-            uint32_t pieces[2][kGroups];
-            int row_of[2] = {first_row + row_zero, first_row + row_zero};
+            static_assert(same_swizzled_layout(decltype(buffer.layout()){},
+                              decltype(as_position_independent_swizzle_tensor(
+                                  make_tensor(make_smem_ptr(static_cast<Element*>(nullptr)), StageLayout{}))
+                                           .layout()){}),
+                "the collective's store buffer is laid out as the tensor maps' box");
+            auto const thread_copy = tiled_copy.get_slice(thread_idx);
+            Tensor values = make_tensor<Element>(make_layout(shape(thread_copy.partition_S(buffer))));
+            Tensor value_fragments = recast<cutlass::Array<Element, kFragment>>(values);
             CUTLASS_PRAGMA_UNROLL
-            for (int e = 0; e < kElements; e += 2)
+            for (int i = 0; i < size(visit_results); ++i)
             {
-                int const h = int(get<0>(relative_mn(e))) != row_zero ? 1 : 0;
-                int const g = (int(get<1>(relative_mn(e))) - col_zero) / 8;
-                cutlass::Array<Element, 2> pair;
-                pair[0] = Element(visit_results(e / kFragment)[e % kFragment]);
-                pair[1] = Element(visit_results((e + 1) / kFragment)[(e + 1) % kFragment]);
-                pieces[h][g] = reinterpret_cast<uint32_t const&>(pair);
-                row_of[h] = first_row + int(get<0>(relative_mn(e)));
+                value_fragments(i) = cutlass::NumericArrayConverter<Element, float, kFragment>{}(visit_results(i));
             }
+            copy(tiled_copy, values, thread_copy.partition_D(buffer));
+            staged = raw_pointer_cast(buffer.data());
+        }
 
-            int const lane = int(threadIdx.x % 32);
-            int const t = lane % 4;
-            int const quad = lane - t;
-            // Column of group 0's first column: this thread's first column less its 2t.
-            int const group_zero = cols - int(get<1>(residue)) + col_zero - 2 * t;
-            CUTLASS_PRAGMA_UNROLL
-            for (int h = 0; h < 2; ++h)
+        // Called by the collective once every thread's shared-memory writes are visible to TMA
+        // (fence and barrier), on the subtile reduce() last staged; it commits the stores after.
+        CUTLASS_DEVICE void tma_store(int epi_m, int epi_n, int, bool issue_tma_store)
+        {
+            if (!issue_tma_store)
             {
-                CUTLASS_PRAGMA_UNROLL
-                for (int block = 0; block < kGroups / 4; ++block)
+                return;
+            }
+            int const row = tile_row + epi_m * int(size<0>(EpilogueTile{}));
+            int const col = tile_col + epi_n * int(size<1>(EpilogueTile{}));
+            Tensor buffer
+                = as_position_independent_swizzle_tensor(make_tensor(make_smem_ptr(staged), StageLayout{}));
+            // The one split the subtile lies in (none past N).
+            OutputSplits const& splits = params->splits;
+            CUTLASS_PRAGMA_UNROLL
+            for (int split = 0; split < FLASHNORM_MAX_OUTPUTS; ++split)
+            {
+                int const begin = int(splits.offsets[split]);
+                int const end = int(splits.offsets[split + 1]);
+                if (split < splits.count && begin <= col && col < end)
                 {
-                    uint32_t words[4] = {};
-                    CUTLASS_PRAGMA_UNROLL
-                    for (int step = 0; step < 4; ++step)
-                    {
-                        // Send my piece of group 4·block + (t + step) % 4; receive group 4·block + t's
-                        // piece from thread (t - step) % 4. Indices by selects, not by a run-time subscript.
-                        int const send_group = (t + step) % 4;
-                        uint32_t send = pieces[h][4 * block];
-                        CUTLASS_PRAGMA_UNROLL
-                        for (int i = 1; i < 4; ++i)
-                        {
-                            send = send_group == i ? pieces[h][4 * block + i] : send;
-                        }
-                        int const source = (t - step + 4) % 4;
-                        uint32_t const received = __shfl_sync(0xffffffffu, send, quad + source);
-                        CUTLASS_PRAGMA_UNROLL
-                        for (int i = 0; i < 4; ++i)
-                        {
-                            words[i] = source == i ? received : words[i];
-                        }
-                    }
-                    store_eight(row_of[h], group_zero + 8 * (4 * block + t), words);
+                    SplitStore const& store = params->split_stores[split];
+                    Tensor output = store.get_tma_tensor(make_shape(rows, end - begin));
+                    Tensor box = local_tile(domain_offset(make_coord(row, col - begin), output), EpilogueTile{},
+                        make_coord(_0{}, _0{}));
+                    auto const block_copy = store.get_slice(_0{});
+                    copy(store, block_copy.partition_S(buffer), block_copy.partition_D(box));
                 }
             }
         }
@@ -405,9 +357,14 @@ struct RowScaleSplitStore
     CUTLASS_DEVICE auto get_consumer_store_callbacks(
         cutlass::epilogue::fusion::detail::ConsumerStoreArgs<Args...> const& args)
     {
+        static_assert(ReferenceSrc, "values are staged through the collective's register-to-shared copy");
+        static_assert(cute::is_same_v<cute::remove_cvref_t<decltype(args.epi_tile)>, EpilogueTile>,
+            "the collective's epilogue subtile is the tensor maps' box");
         auto [M, N, K, L] = args.problem_shape_mnkl;
-        return ConsumerStoreCallbacks<decltype(args.tCcD), decltype(args.residue_tCcD)>(
-            args.tCcD, args.residue_tCcD, int(M), int(N), params);
+        auto [m, n, k, l] = args.tile_coord_mnkl;
+        return ConsumerStoreCallbacks<decltype(args.tCcD), decltype(args.residue_tCcD), decltype(args.tiled_copy)>(
+            args.tCcD, args.residue_tCcD, int(M), int(m) * int(size<0>(args.tile_shape_mnk)),
+            int(n) * int(size<1>(args.tile_shape_mnk)), args.tiled_copy, args.thread_idx, params);
     }
 };
 
@@ -590,10 +547,13 @@ struct ScaledGemm
 {
     static constexpr int kClusterM = ClusterM;
     static constexpr bool kSumsInMainLoop = SumsInMainLoop;
-    using Store = RowScaleSplitStore<Element, !SumsInMainLoop>;
+    // The builder's own choice for these schedules (EpilogueTileAuto: 64 or 128 rows, 32 columns),
+    // spelled out because the visitor's tensor maps take it as their box.
+    using EpilogueTile = Shape<Int<decltype(size<0>(TileShape{}))::value>, _32>;
+    using Store = RowScaleSplitStore<Element, !SumsInMainLoop, EpilogueTile>;
     using ClusterShape = Shape<Int<ClusterM>, _1, _1>;
     using CollectiveEpilogue = typename cutlass::epilogue::collective::CollectiveBuilder<cutlass::arch::Sm90,
-        cutlass::arch::OpClassTensorOp, TileShape, ClusterShape, cutlass::epilogue::collective::EpilogueTileAuto,
+        cutlass::arch::OpClassTensorOp, TileShape, ClusterShape, EpilogueTile,
         float, float, void, cutlass::layout::RowMajor, kAlignmentElements, void, cutlass::layout::RowMajor,
         kAlignmentElements, EpilogueSchedule, Store>::CollectiveOp;
     using BuiltMainloop = typename cutlass::gemm::collective::CollectiveBuilder<cutlass::arch::Sm90,

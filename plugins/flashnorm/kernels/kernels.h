@@ -122,18 +122,37 @@ inline size_t epilogue_scale_workspace_bytes(int64_t m)
     return (sizeof(float) * static_cast<size_t>(m) + 255) / 256 * 256;
 }
 
-// The CUTLASS GEMM has 16-bit operands only, and its TMA loads need row strides of x and W*
-// that are multiples of 16 bytes ...
-inline bool epilogue_scale_shape_fits(flashnorm_dtype dtype, int64_t k, int64_t n)
+// The columns of the epilogue-scale GEMM's epilogue subtile, the box of its TMA stores: a store
+// goes to one split's tensor, so no subtile may straddle two splits.
+constexpr int64_t kEpilogueScaleSubtileColumns = 32;
+
+// The CUTLASS GEMM has 16-bit operands only, its TMA loads need row strides of x and W* that are
+// multiples of 16 bytes, and its TMA stores every split to start at a multiple of the subtile's
+// columns (with N a multiple of 8, every output's rows are then 16-byte multiples too) ...
+inline bool epilogue_scale_shape_fits(flashnorm_dtype dtype, int64_t k, int64_t n, int32_t split_count,
+    int64_t const* split_sizes)
 {
+    int64_t begin = 0;
+    for (int32_t split = 0; split + 1 < split_count; ++split)
+    {
+        begin += split_sizes[split];
+        if (begin % kEpilogueScaleSubtileColumns != 0)
+        {
+            return false;
+        }
+    }
     return dtype != FLASHNORM_DTYPE_F32 && k % 8 == 0 && n % 8 == 0;
 }
 
-// ... and 16-byte aligned bases.
-inline bool epilogue_scale_operands_fit(flashnorm_dtype dtype, void const* x, void const* w, int64_t k, int64_t n)
+// ... and 16-byte aligned x, W* and outputs.
+inline bool epilogue_scale_pointers_fit(void const* x, void const* w, OutputSplits const& splits)
 {
-    return epilogue_scale_shape_fits(dtype, k, n) && reinterpret_cast<uintptr_t>(x) % 16 == 0
-        && reinterpret_cast<uintptr_t>(w) % 16 == 0;
+    bool aligned = reinterpret_cast<uintptr_t>(x) % 16 == 0 && reinterpret_cast<uintptr_t>(w) % 16 == 0;
+    for (int split = 0; split < splits.count; ++split)
+    {
+        aligned = aligned && reinterpret_cast<uintptr_t>(splits.outputs[split]) % 16 == 0;
+    }
+    return aligned;
 }
 
 } // namespace flashnorm

@@ -255,9 +255,9 @@ int main()
     if (flashnorm_strategy_available(context, epilogue))
     {
         cases.insert(cases.end(), {
-            {FLASHNORM_DTYPE_BF16, epilogue, 5, 96, {32, 16, 16}, 0, false},      // 64-row tiles, row tail
-            {FLASHNORM_DTYPE_F16, epilogue, 300, 264, {40, 8, 16, 24}, 0, false}, // 128-row tiles, K tail
-            {FLASHNORM_DTYPE_BF16, epilogue, 7, 64, {40, 24}, 200000, false},     // delayed reduction
+            {FLASHNORM_DTYPE_BF16, epilogue, 5, 96, {32, 32, 16}, 0, false},      // 64-row tiles, row tail
+            {FLASHNORM_DTYPE_F16, epilogue, 300, 264, {32, 32, 32, 8}, 0, false}, // 128-row tiles, K tail
+            {FLASHNORM_DTYPE_BF16, epilogue, 7, 64, {32, 24}, 200000, false},     // delayed reduction
             {FLASHNORM_DTYPE_BF16, epilogue, 70, 256, {64, 64, 64}, 100000, true}, // captured, delayed
         });
     }
