@@ -548,8 +548,10 @@ struct ScaledGemm
     static constexpr int kClusterM = ClusterM;
     static constexpr bool kSumsInMainLoop = SumsInMainLoop;
     // The builder's own choice for these schedules (EpilogueTileAuto: 64 or 128 rows, 32 columns),
-    // spelled out because the visitor's tensor maps take it as their box.
-    using EpilogueTile = Shape<Int<decltype(size<0>(TileShape{}))::value>, _32>;
+    // spelled out because the visitor's tensor maps take it as their box and the split edges
+    // (epilogue_scale_shape_fits) must fall on its columns.
+    using EpilogueTile
+        = Shape<Int<decltype(size<0>(TileShape{}))::value>, Int<static_cast<int>(kEpilogueScaleSubtileColumns)>>;
     using Store = RowScaleSplitStore<Element, !SumsInMainLoop, EpilogueTile>;
     using ClusterShape = Shape<Int<ClusterM>, _1, _1>;
     using CollectiveEpilogue = typename cutlass::epilogue::collective::CollectiveBuilder<cutlass::arch::Sm90,
