@@ -99,9 +99,10 @@ inline bool fused_tensor_core_shape(int64_t k, int64_t n)
 }
 
 // The epilogue-scale strategy (kernels/epilogue_scale.cu): one CUTLASS sm90 GEMM that scales each
-// row by rsqrt(mean(x²)+eps) and stores each split straight into its output; the row sums in its
-// own main loop (K <= 1024 to 1024 rows; longer K to 256 rows where 64×64 tiles would exceed one
-// wave and 64×128 ones do not) or by a reduction kernel launched in front, which the GEMM
+// row by rsqrt(mean(x²)+eps) and TMA-stores each split straight into its output (splits starting
+// at multiples of kEpilogueScaleSubtileColumns, 16-byte aligned outputs: the checks below); the row
+// sums in its own main loop (K <= 1024 to 1024 rows; longer K to 256 rows where 64×64 tiles would
+// exceed one wave and 64×128 ones do not) or by a reduction kernel launched in front, which the GEMM
 // (programmatic dependent launch) overlaps and its epilogue waits for (griddepcontrol.wait).
 // fp16/bf16 only. `inv_rms` is m floats of workspace (the reduction kernel's output);
 // `delay_cycles` (test hook) holds the reduction's writes back after the GEMM has been let start.

@@ -55,14 +55,17 @@ typedef enum flashnorm_strategy
                                           elsewhere a reduction kernel runs first
                                           and the GEMM, launched after it with programmatic dependent
                                           launch, overlaps it and waits for it before its epilogue.
-                                          fp16/bf16 with K and N multiples of 8 and 16-byte aligned
-                                          x and W*, on compute capability 9.0, in builds that found the
-                                          CUTLASS headers; elsewhere FLASHNORM_STATUS_UNSUPPORTED. AUTO picks
-                                          it in its measured region only (K <= 1024 at 64..1024 rows below
-                                          prenorm's region; at 64..127 rows q|k|v-like splits with
-                                          K >= 4096 and one run of equal splits with K >= 2048 and
-                                          2^25 <= K·N < 2^26) and runs two_stream instead where the
-                                          device or the pointers refuse it */
+                                          Its epilogue TMA-stores 32-column subtiles, each into one
+                                          split: fp16/bf16 with K and N multiples of 8, every split
+                                          starting at a multiple of 32 columns, 16-byte aligned x, W*
+                                          and outputs, on compute capability 9.0, in builds that found
+                                          the CUTLASS headers; elsewhere FLASHNORM_STATUS_UNSUPPORTED.
+                                          AUTO picks it in its measured region only (K <= 1024 at
+                                          64..1024 rows below prenorm's region, which for one run of
+                                          equal splits starts only past M·N = 2^20 there; at 64..127
+                                          rows with K >= 2048, for one run where K·N < 2^26), never
+                                          for split edges off the 32-column grid, and runs two_stream
+                                          instead where the device or the pointers refuse it */
 } flashnorm_strategy;
 
 typedef enum flashnorm_status
