@@ -39,11 +39,11 @@ struct AutoTable
     int64_t epilogue_scale_max_rows;
     int64_t epilogue_scale_max_k;
     int64_t epilogue_scale_one_wave_elements;
-    // ... and from epilogue_scale_long_k_min_rows to epilogue_scale_long_k_max_rows rows where K is
-    // at least epilogue_scale_long_k and, for one run of splits, K·N is below
-    // epilogue_scale_one_run_max_weight (a large-weight prenorm region then starts after these rows).
-    int64_t epilogue_scale_long_k_min_rows;
-    int64_t epilogue_scale_long_k_max_rows;
+    // ... and at exactly epilogue_scale_long_k_rows rows (one whole row block of its 64-row tiles: a
+    // partial last block costs its GEMM on every K step, which long K makes slower than the
+    // alternatives) where K is at least epilogue_scale_long_k and, for one run of splits, K·N is
+    // below epilogue_scale_one_run_max_weight (a large-weight prenorm region then starts after it).
+    int64_t epilogue_scale_long_k_rows;
     int64_t epilogue_scale_long_k;
     int64_t epilogue_scale_one_run_max_weight;
 };
@@ -61,8 +61,7 @@ constexpr AutoTable kAuto{
     /*epilogue_scale_max_rows=*/1024,
     /*epilogue_scale_max_k=*/1024,
     /*epilogue_scale_one_wave_elements=*/int64_t(1) << 20,
-    /*epilogue_scale_long_k_min_rows=*/64,
-    /*epilogue_scale_long_k_max_rows=*/127,
+    /*epilogue_scale_long_k_rows=*/64,
     /*epilogue_scale_long_k=*/2048,
     /*epilogue_scale_one_run_max_weight=*/int64_t(1) << 26,
 };
@@ -162,7 +161,7 @@ int64_t prenorm_min_rows(flashnorm_problem const& problem)
     flashnorm::SplitRun runs[FLASHNORM_MAX_OUTPUTS];
     int const run_count = flashnorm::split_runs(problem, runs);
     if (run_count == 1 && problem.k * problem.n >= kAuto.prenorm_large_weight)
-        return epilogue_scale_one_run_long_k(problem) ? kAuto.epilogue_scale_long_k_max_rows + 1
+        return epilogue_scale_one_run_long_k(problem) ? kAuto.epilogue_scale_long_k_rows + 1
                                                       : kAuto.prenorm_min_rows_large_weight;
     if (run_count == 1)
         return one_run_prenorm_min_rows(problem);
@@ -180,8 +179,7 @@ bool auto_picks_epilogue_scale(flashnorm_problem const& problem)
 {
     bool const short_k = problem.k <= kAuto.epilogue_scale_max_k && problem.m >= kAuto.epilogue_scale_min_rows
         && problem.m <= kAuto.epilogue_scale_max_rows;
-    bool const long_k_rows
-        = problem.m >= kAuto.epilogue_scale_long_k_min_rows && problem.m <= kAuto.epilogue_scale_long_k_max_rows;
+    bool const long_k_rows = problem.m == kAuto.epilogue_scale_long_k_rows;
     if (!epilogue_scale_fits(problem))
         return false;
     if (short_k)

@@ -160,9 +160,9 @@ def epilogue_scale_built(built_library) -> bool:
 
 def test_auto_epilogue_scale_region(built_library, epilogue_scale_built, monkeypatch):
     """Built with the CUTLASS kernel, AUTO picks epilogue-scale for 64..1024 rows with K <= 1024
-    below prenorm's region (which for one run of splits starts past M·N = 2^20 there), and for
-    64..127 rows with K >= 2048 where the splits form several runs or one run with K·N < 2^26, a
-    large-weight prenorm region then starting at 128 rows (kAuto; measured faster than what AUTO
+    below prenorm's region (which for one run of splits starts past M·N = 2^20 there), and at
+    exactly 64 rows with K >= 2048 where the splits form several runs or one run with K·N < 2^26, a
+    large-weight prenorm region then starting at 65 rows (kAuto; measured faster than what AUTO
     picked before on SmolLM2-135M's, Llama-3.2-1B's and Llama-3.1-8B's q|k|v and SmolLM2-135M's and
     Llama-3.2-1B's gate|up, kernels/NOTES.md); built without, two_stream, or prenorm from 64 rows on
     a one-run W* of K·N >= 2^25. Either way AUTO reserves two_stream's workspace there: the call
@@ -189,30 +189,31 @@ def test_auto_epilogue_scale_region(built_library, epilogue_scale_built, monkeyp
     assert cuda_ops.resolve_strategy(512, 2048, 3072, torch.bfloat16, [2048, 512, 512]) == "two_stream"
     assert cuda_ops.resolve_strategy(512, 576, 3072, torch.bfloat16, [1536, 1536]) == "prenorm"
     assert cuda_ops.resolve_strategy(512, 576, 964, torch.bfloat16, [576, 192, 196]) == "two_stream"
-    # The long-K region: 64..127 rows where K >= 2048 (Llama-3.2-1B's and Llama-3.1-8B's q|k|v).
+    # The long-K rows: 64 where K >= 2048 (Llama-3.2-1B's and Llama-3.1-8B's q|k|v); from 65 a partial
+    # 64-row block, where the GEMM measured slower than two_stream.
     qkv_8b = [4096, 1024, 1024]
-    for m, expected in ((63, "two_stream"), (64, region), (127, region), (128, "two_stream")):
+    for m, expected in ((63, "two_stream"), (64, region), (65, "two_stream"), (96, "two_stream"), (128, "two_stream")):
         assert cuda_ops.resolve_strategy(m, 4096, 6144, torch.bfloat16, qkv_8b) == expected, m
         assert cuda_ops.resolve_strategy(m, 2048, 3072, torch.bfloat16, [2048, 512, 512]) == expected, m
     assert cuda_ops.resolve_strategy(64, 2040, 6144, torch.bfloat16, qkv_8b) == "two_stream"
     assert cuda_ops.resolve_strategy(64, 4096, 6144, torch.float32, qkv_8b) == "two_stream"
     assert cuda_ops.resolve_strategy(64, 4096, 28672, torch.bfloat16, [14336, 14336]) == "prenorm"
-    # One run on long K: 64..127 rows where K >= 2048 and 2^25 <= K·N < 2^26 (Llama-3.2-1B's gate|up),
+    # One run on long K: 64 rows where K >= 2048 and 2^25 <= K·N < 2^26 (Llama-3.2-1B's gate|up),
     # ahead of prenorm, which a build without the kernel keeps from 64 rows there.
     gate_up_1b = [8192, 8192]
     one_run = "epilogue_scale" if epilogue_scale_built else "prenorm"
-    for m, expected in ((63, "two_stream"), (64, one_run), (127, one_run), (128, "prenorm")):
+    for m, expected in ((63, "two_stream"), (64, one_run), (65, "prenorm"), (128, "prenorm")):
         assert cuda_ops.resolve_strategy(m, 2048, 16384, torch.bfloat16, gate_up_1b) == expected, m
     assert cuda_ops.resolve_strategy(64, 2048, 16384, torch.float32, gate_up_1b) == "two_stream"
     assert cuda_ops.resolve_strategy(64, 2040, 16384, torch.bfloat16, gate_up_1b) == "two_stream"
-    # One run below 2^25, K >= 2048: 64..127 rows, then two_stream up to prenorm's 256 rows.
-    for m, expected in ((64, region), (127, region), (128, "two_stream"), (255, "two_stream"), (256, "prenorm")):
+    # One run below 2^25, K >= 2048: 64 rows, then two_stream up to prenorm's 256 rows.
+    for m, expected in ((64, region), (65, "two_stream"), (128, "two_stream"), (255, "two_stream"), (256, "prenorm")):
         assert cuda_ops.resolve_strategy(m, 2048, 11008, torch.bfloat16, [5504, 5504]) == expected, m
         assert cuda_ops.resolve_strategy(m, 4096, 6144, torch.bfloat16) == expected, m
     reserved = [(64, 576, qkv), (1000, 576, qkv), (1024, 576, qkv), (64, 576, gate_up), (64, 4096, qkv_8b),
-                (127, 2048, [2048, 512, 512]), (prenorm_from - 1, 576, gate_up)]
+                (64, 2048, [2048, 512, 512]), (prenorm_from - 1, 576, gate_up)]
     if epilogue_scale_built:  # without the kernel these rows are prenorm's
-        reserved += [(64, 2048, gate_up_1b), (127, 2048, gate_up_1b), (1024, 576, [960])]
+        reserved += [(64, 2048, gate_up_1b), (1024, 576, [960])]
     for m, k, splits in reserved:
         two_stream = cuda_ops.workspace_size(m, k, splits, torch.bfloat16, "two_stream")
         assert cuda_ops.workspace_size(m, k, splits, torch.bfloat16) >= two_stream, (m, k)

@@ -604,10 +604,16 @@ using SmallTileGemm = ScaledGemm<Element, Shape<_64, _64, _64>, cutlass::gemm::K
 constexpr int64_t kSmallTileMaxRows = 256;
 constexpr int64_t kLongKOneWaveMinK = 4096;
 // Otherwise both consumer warp groups on one tile (cooperative), the reduction kernel in front:
-// 128×128 tiles, or 128×64 where 128×128 ones would leave multiprocessors idle; on long K, 128×256
-// tiles in clusters of two along M where they fill the multiprocessors in waves at least 80 % full.
-// Measured slower there on the H200 (kernels/NOTES.md): ping-pong 64×128 / 64×256 tiles on long K
-// or at 4096 rows.
+// 128×128 tiles, or 128×64 where 128×128 ones would leave multiprocessors idle; 128×256 tiles in
+// clusters of two along M where they fill the multiprocessors in waves at least 80 % full (on
+// short K in one wave only). Measured slower there on the H200 (kernels/NOTES.md): ping-pong
+// 64×128 / 64×256 tiles on long K or at 4096 rows. On long K, 128×128 tiles also in one wave at
+// least 70 % full (kLongKOneWaveFillPercent), ahead of ping-pong 64×64 or 128×64 tiles: H200,
+// 2026-12-03, Llama-3.1-8B q|k|v at 256 rows 25.9 µs on 96 tiles against 45 on ping-pong 64×64 ones,
+// at 160 rows 38.7 against 46.7; Llama-3.2-1B q|k|v at 512 rows 17.0 against 20.0 on 128×64 tiles.
+// 128-row cooperative tiles are slow on a partial last row block (Llama-3.1-8B q|k|v 128×128 at 160
+// rows 38.7-42.5 µs against 25.9 at 256; 128×64 at 96 rows 25.8 against 19.4 at 128:
+// kernels/NOTES.md); where 128×128 tiles fill 70 % of one wave, 64-row tiles exceed it.
 template <class Element>
 using NarrowTileGemm = ScaledGemm<Element, Shape<_128, _64, _64>, Cooperative, CooperativeEpilogue>;
 template <class Element>
@@ -615,22 +621,36 @@ using LargeTileGemm = ScaledGemm<Element, Shape<_128, _128, _64>, Cooperative, C
 template <class Element>
 using WideTileGemm = ScaledGemm<Element, Shape<_128, _256, _64>, Cooperative, CooperativeEpilogue, 2>;
 constexpr int64_t kWideTileMinK = 2048;
+constexpr int64_t kLongKOneWaveFillPercent = 70;
 
 int64_t tile_count(int64_t m, int64_t n, int64_t tile_m, int64_t tile_n)
 {
     return ((m + tile_m - 1) / tile_m) * ((n + tile_n - 1) / tile_n);
 }
 
+// Whether `tiles` run in one wave that keeps at least kLongKOneWaveFillPercent % of the
+// multiprocessors busy.
+bool fills_one_wave(int64_t tiles, int sm_count)
+{
+    return tiles <= sm_count && 100 * tiles >= kLongKOneWaveFillPercent * sm_count;
+}
+
 // 128×256 tiles pay off where each tile's main loop is long and the last wave is not mostly idle:
 // on the H200 (2026-12-01 23:55 UTC, Nsight Compute) Llama-3.1-8B gate/up at M = 256, 1024, 4096
 // took 108.5 / 334.7 / 1312.9 µs against 115.5 / 413.1 / 1583.6 with 128×128 tiles, while
 // Llama-3.1-8B qkv at M = 1024 (192 wide tiles: the second wave 45 % full) took 105.2 against 91.8
-// and SmolLM2 gate/up at M = 4096 (K = 576) 46.2 against 44.4.
+// and SmolLM2 gate/up at M = 4096 (K = 576, three waves) 46.2 against 44.4. On short K in one wave
+// they do pay off (2026-12-03 12:56 UTC): SmolLM2 q|k|v at M = 4096, 128 tiles, 15.0 µs against 16.6
+// on 128×128 tiles.
 bool wide_tiles_fit(int64_t m, int64_t k, int64_t n, int sm_count)
 {
     int64_t const tiles = tile_count(m, n, 128, 256);
     int64_t const waves = (tiles + sm_count - 1) / sm_count;
-    return m > 128 && k >= kWideTileMinK && tiles >= sm_count && 5 * tiles >= 4 * waves * sm_count;
+    if (m <= 128 || 5 * tiles < 4 * waves * sm_count)
+    {
+        return false;
+    }
+    return k >= kWideTileMinK ? tiles >= sm_count : waves == 1;
 }
 
 // inv_rms[m] = rsqrt(mean(x[m,:]²) + eps). Lets the GEMM launched after it (PDL) start at once;
@@ -772,7 +792,9 @@ cudaError_t launch_typed(void const* input, void const* weight, int64_t m, int64
     {
         return launch(WideTileGemm<Element>{});
     }
-    if (m > 128 && tile_count(m, n, 128, 128) >= sm_count)
+    bool const long_k = k > kRowSumsMaxK;
+    int64_t const large_tiles = tile_count(m, n, 128, 128);
+    if (m > 128 && (large_tiles >= sm_count || (long_k && fills_one_wave(large_tiles, sm_count))))
     {
         return launch(LargeTileGemm<Element>{});
     }
