@@ -37,6 +37,9 @@ struct AutoTable
     // wave of its 64×128 tiles; elsewhere it measured slower than what AUTO picks) ...
     int64_t epilogue_scale_min_rows;
     int64_t epilogue_scale_max_rows;
+    // ... to epilogue_scale_split_runs_max_rows where the splits form several runs (ahead of
+    // two_stream and of prenorm, whose region then starts after these rows) ...
+    int64_t epilogue_scale_split_runs_max_rows;
     int64_t epilogue_scale_max_k;
     int64_t epilogue_scale_one_wave_elements;
     // ... and at exactly epilogue_scale_long_k_rows rows (one whole row block of its 64-row tiles: a
@@ -59,6 +62,7 @@ constexpr AutoTable kAuto{
     /*prenorm_min_rows_f32=*/1024,
     /*epilogue_scale_min_rows=*/64,
     /*epilogue_scale_max_rows=*/1024,
+    /*epilogue_scale_split_runs_max_rows=*/4096,
     /*epilogue_scale_max_k=*/1024,
     /*epilogue_scale_one_wave_elements=*/int64_t(1) << 20,
     /*epilogue_scale_long_k_rows=*/64,
@@ -169,6 +173,8 @@ int64_t prenorm_min_rows(flashnorm_problem const& problem)
     for (int r = 0; r < run_count; ++r)
         narrowest = std::min(narrowest, runs[r].columns());
     int64_t const rows = (kAuto.prenorm_min_narrow_run_elements + narrowest - 1) / narrowest;
+    if (epilogue_scale_fits(problem) && problem.k <= kAuto.epilogue_scale_max_k)
+        return std::max(rows, kAuto.epilogue_scale_split_runs_max_rows + 1);
     return rows > kAuto.prenorm_min_rows ? rows : kAuto.prenorm_min_rows;
 }
 
@@ -177,18 +183,16 @@ int64_t prenorm_min_rows(flashnorm_problem const& problem)
 // workspace_bytes_for() therefore reserves too.
 bool auto_picks_epilogue_scale(flashnorm_problem const& problem)
 {
-    bool const short_k = problem.k <= kAuto.epilogue_scale_max_k && problem.m >= kAuto.epilogue_scale_min_rows
-        && problem.m <= kAuto.epilogue_scale_max_rows;
-    bool const long_k_rows = problem.m == kAuto.epilogue_scale_long_k_rows;
     if (!epilogue_scale_fits(problem))
         return false;
-    if (short_k)
-        return true;
-    if (!long_k_rows)
-        return false;
     flashnorm::SplitRun runs[FLASHNORM_MAX_OUTPUTS];
-    return flashnorm::split_runs(problem, runs) > 1 ? problem.k >= kAuto.epilogue_scale_long_k
-                                                    : epilogue_scale_one_run_long_k(problem);
+    bool const several_runs = flashnorm::split_runs(problem, runs) > 1;
+    if (problem.k <= kAuto.epilogue_scale_max_k)
+        return problem.m >= kAuto.epilogue_scale_min_rows
+            && problem.m <= (several_runs ? kAuto.epilogue_scale_split_runs_max_rows : kAuto.epilogue_scale_max_rows);
+    if (problem.m != kAuto.epilogue_scale_long_k_rows)
+        return false;
+    return several_runs ? problem.k >= kAuto.epilogue_scale_long_k : epilogue_scale_one_run_long_k(problem);
 }
 
 flashnorm_strategy resolve(flashnorm_problem const& problem)

@@ -131,15 +131,16 @@ def test_outputs_at_odd_addresses_are_refused_and_auto_writes_nothing_around_the
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_auto_region_and_its_fallback_on_unaligned_x(dtype, rng):
-    """AUTO picks epilogue-scale with K <= 1024 at 64..1024 rows (below prenorm's region), and at
-    64 rows with K >= 2048 for q|k|v splits and for one run of splits with K·N < 2^26 (kAuto),
-    and where x is not 16-byte aligned runs two_stream in the workspace AUTO sized, not an error."""
+    """AUTO picks epilogue-scale with K <= 1024 at 64..1024 rows (to 4096 for q|k|v splits, below
+    prenorm's region), and at 64 rows with K >= 2048 for q|k|v splits and for one run of splits with
+    K·N < 2^26 (kAuto), and where x is not 16-byte aligned runs two_stream in the workspace AUTO
+    sized, not an error."""
     cuda_ops = cuda_ops_module()
     _require_epilogue_scale(cuda_ops)
     generator = generator_from(rng)
     cases = (
         (512, 576, [576, 192, 192]), (64, 576, [1536, 1536]), (64, 4096, [4096, 1024, 1024]), (64, 2048, [8192, 8192]),
-        (64, 2048, [2048, 512, 512]), (300, 576, [1536, 1536]),
+        (64, 2048, [2048, 512, 512]), (300, 576, [1536, 1536]), (3000, 576, [576, 192, 192]),
     )
     for m, k, splits in cases:
         assert cuda_ops.resolve_strategy(m, k, sum(splits), dtype, splits) == "epilogue_scale"

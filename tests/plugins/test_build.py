@@ -136,9 +136,7 @@ def test_auto_strategy_through_the_python_binding(built_library, monkeypatch):
     qkv = [4096, 1024, 1024]
     assert cuda_ops.resolve_strategy(639, 4096, 6144, torch.bfloat16, qkv) == "two_stream"
     assert cuda_ops.resolve_strategy(640, 4096, 6144, torch.float16, qkv) == "prenorm"
-    assert cuda_ops.resolve_strategy(3413, 576, 960, torch.bfloat16, [576, 192, 192]) == "two_stream"
-    assert cuda_ops.resolve_strategy(3414, 576, 960, torch.bfloat16, [576, 192, 192]) == "prenorm"
-    assert cuda_ops.resolve_strategy(4096, 576, 960, torch.bfloat16, [192, 576, 192]) == "two_stream"
+    assert cuda_ops.resolve_strategy(6827, 576, 960, torch.bfloat16, [192, 576, 192]) == "prenorm"
     assert cuda_ops.resolve_strategy(512, 576, 3072, torch.bfloat16, [1536, 1536]) == "prenorm"
     assert cuda_ops.resolve_strategy(63, 576, 3072, torch.bfloat16, [1536, 1536]) == "two_stream"
     assert cuda_ops.resolve_strategy(63, 2048, 16384, torch.bfloat16, [8192, 8192]) == "two_stream"
@@ -160,7 +158,8 @@ def epilogue_scale_built(built_library) -> bool:
 
 def test_auto_epilogue_scale_region(built_library, epilogue_scale_built, monkeypatch):
     """Built with the CUTLASS kernel, AUTO picks epilogue-scale for 64..1024 rows with K <= 1024
-    below prenorm's region (which for one run of splits starts past M·N = 2^20 there), and at
+    below prenorm's region (which for one run of splits starts past M·N = 2^20 there; for several
+    runs, to 4096 rows ahead of prenorm's region, which then starts at 4097 at the earliest), and at
     exactly 64 rows with K >= 2048 where the splits form several runs or one run with K·N < 2^26, a
     large-weight prenorm region then starting at 65 rows (kAuto; measured faster than what AUTO
     picked before on SmolLM2-135M's, Llama-3.2-1B's and Llama-3.1-8B's q|k|v and SmolLM2-135M's and
@@ -175,8 +174,15 @@ def test_auto_epilogue_scale_region(built_library, epilogue_scale_built, monkeyp
     monkeypatch.setattr(cuda_ops, "_library", None)
     qkv = [576, 192, 192]
     region = "epilogue_scale" if epilogue_scale_built else "two_stream"
-    for m, expected in ((63, "two_stream"), (64, region), (1024, region), (1025, "two_stream")):
+    for m, expected in ((63, "two_stream"), (64, region), (1024, region), (1025, region)):
         assert cuda_ops.resolve_strategy(m, 576, 960, torch.bfloat16, qkv) == expected, m
+    # Several runs on short K: epilogue-scale to 4096 rows, prenorm's region after them; without the
+    # kernel, two_stream up to prenorm's narrow-run threshold (M × 384 columns >= 1.25·2^20: 3414 rows).
+    below_prenorm = region if epilogue_scale_built else "prenorm"
+    for m, expected in ((3413, region), (3414, below_prenorm), (4096, below_prenorm), (4097, "prenorm")):
+        assert cuda_ops.resolve_strategy(m, 576, 960, torch.bfloat16, qkv) == expected, m
+    for m, expected in ((4096, region), (4097, "two_stream"), (6826, "two_stream"), (6827, "prenorm")):
+        assert cuda_ops.resolve_strategy(m, 576, 960, torch.bfloat16, [192, 576, 192]) == expected, m
     gate_up = [1536, 1536]
     prenorm_from = 2**20 // 3072 + 1 if epilogue_scale_built else 256
     for m, expected in ((63, "two_stream"), (64, region), (prenorm_from - 1, region), (prenorm_from, "prenorm")):
@@ -210,7 +216,7 @@ def test_auto_epilogue_scale_region(built_library, epilogue_scale_built, monkeyp
     for m, expected in ((64, region), (65, "two_stream"), (128, "two_stream"), (255, "two_stream"), (256, "prenorm")):
         assert cuda_ops.resolve_strategy(m, 2048, 11008, torch.bfloat16, [5504, 5504]) == expected, m
         assert cuda_ops.resolve_strategy(m, 4096, 6144, torch.bfloat16) == expected, m
-    reserved = [(64, 576, qkv), (1000, 576, qkv), (1024, 576, qkv), (64, 576, gate_up), (64, 4096, qkv_8b),
+    reserved = [(64, 576, qkv), (1000, 576, qkv), (1024, 576, qkv), (4096, 576, qkv), (64, 576, gate_up), (64, 4096, qkv_8b),
                 (64, 2048, [2048, 512, 512]), (prenorm_from - 1, 576, gate_up)]
     if epilogue_scale_built:  # without the kernel these rows are prenorm's
         reserved += [(64, 2048, gate_up_1b), (1024, 576, [960])]
