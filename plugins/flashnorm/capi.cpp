@@ -137,6 +137,12 @@ bool epilogue_scale_fits(flashnorm_problem const& problem)
             problem.dtype, problem.k, problem.n, problem.num_outputs, problem.split_sizes);
 }
 
+// Whether AUTO's short-K epilogue-scale rows apply to this K and dtype (any splits, any M).
+bool epilogue_scale_short_k(flashnorm_problem const& problem)
+{
+    return epilogue_scale_fits(problem) && problem.k <= kAuto.epilogue_scale_max_k;
+}
+
 // Whether AUTO's one-run long-K epilogue-scale rows apply to this K, N and dtype (all splits one
 // run; any M).
 bool epilogue_scale_one_run_long_k(flashnorm_problem const& problem)
@@ -150,7 +156,7 @@ bool epilogue_scale_one_run_long_k(flashnorm_problem const& problem)
 // the end of the epilogue-scale region).
 int64_t one_run_prenorm_min_rows(flashnorm_problem const& problem)
 {
-    if (!epilogue_scale_fits(problem) || problem.k > kAuto.epilogue_scale_max_k)
+    if (!epilogue_scale_short_k(problem))
         return kAuto.prenorm_min_rows;
     int64_t const past_one_wave = kAuto.epilogue_scale_one_wave_elements / problem.n + 1;
     return std::clamp(past_one_wave, kAuto.prenorm_min_rows, kAuto.epilogue_scale_max_rows + 1);
@@ -173,7 +179,7 @@ int64_t prenorm_min_rows(flashnorm_problem const& problem)
     for (int r = 0; r < run_count; ++r)
         narrowest = std::min(narrowest, runs[r].columns());
     int64_t const rows = (kAuto.prenorm_min_narrow_run_elements + narrowest - 1) / narrowest;
-    if (epilogue_scale_fits(problem) && problem.k <= kAuto.epilogue_scale_max_k)
+    if (epilogue_scale_short_k(problem))
         return std::max(rows, kAuto.epilogue_scale_split_runs_max_rows + 1);
     return rows > kAuto.prenorm_min_rows ? rows : kAuto.prenorm_min_rows;
 }

@@ -61,33 +61,21 @@ def test_matches_float64_reference(m, dtype, rng):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("m", [640, 1000])
-def test_wide_tiles_with_row_and_split_tails(m, dtype, rng):
-    """K = 2048 and N = 16896 run the 128x256 tiles in clusters of two along M: 5 row blocks (an
-    odd count, so the last cluster is half out of range) or 8 with a partial last one, and a split
-    edge inside a tile (8224)."""
-    cuda_ops = cuda_ops_module()
-    _require_epilogue_scale(cuda_ops)
-    k, splits = 2048, [8224, 4320, 4352]
-    x, w = random_inputs(generator_from(rng), m, k, sum(splits), dtype)
-    outputs = [torch.full((m, size), float("nan"), dtype=dtype, device="cuda") for size in splits]
-    cuda_ops.flashnorm_matmul(x, w, 1e-5, splits=splits, strategy="epilogue_scale", out=outputs)
-    _assert_matches(outputs, x, w, 1e-5, splits, f"m={m} {dtype}")
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize(
     ("m", "k", "splits"),
     [
-        (200, 2056, [4096, 1024, 1024]),  # 96 128x128 tiles, 73 % of one wave, a row tail
+        (640, 2048, [8224, 4320, 4352]),  # 128x256 clusters: 5 row blocks, the last cluster half out of range
+        (1000, 2048, [8224, 4320, 4352]),  # 8 row blocks, a partial last one
+        (200, 2056, [4096, 1024, 1024]),  # one wave of 96 128x128 tiles (73 %), a partial last row block
         (3900, 576, [576, 192, 192]),  # short K: one wave of 124 128x256 tiles, the last cluster half out of range
     ],
 )
-def test_one_wave_tiles_with_row_tails(m, k, splits, dtype, rng):
-    """The tiles chosen because they fill one wave of 132 multiprocessors (an H200's, H100 SXM's):
-    128x128 cooperative tiles on long K filling at least 70 %, 128x256 clusters on short K past 1024
-    rows; row counts that are not multiples of the tiles. On other devices other tiles run, still checked."""
+def test_cooperative_tiles_with_row_and_split_tails(m, k, splits, dtype, rng):
+    """The 128-row cooperative tiles where the rows are not a multiple of them: 128x256 tiles in
+    clusters of two along M (K = 2048, N = 16896, a split edge inside a tile at 8224, and one wave of
+    them on short K), and one wave of 128x128 tiles filling at least 70 % on long K. The one-wave
+    choices assume 132 multiprocessors (an H200's, H100 SXM's); elsewhere other tiles run, still
+    checked."""
     cuda_ops = cuda_ops_module()
     _require_epilogue_scale(cuda_ops)
     x, w = random_inputs(generator_from(rng), m, k, sum(splits), dtype)
