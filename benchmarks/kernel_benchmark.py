@@ -1,7 +1,7 @@
 """FlashNorm kernels against cuBLAS, F.rms_norm + cuBLAS and torch.compile, bf16, on one GPU.
 
-    python benchmarks/kernels.py --out DIR          # GPU: writes DIR/kernels.md, DIR/kernels.json
-    python benchmarks/kernels.py --smoke            # CPU: tiny shapes, wall clock, checks the script
+    python benchmarks/kernel_benchmark.py --out DIR          # GPU: writes DIR/kernels.md, DIR/kernels.json
+    python benchmarks/kernel_benchmark.py --smoke            # CPU: tiny shapes, wall clock, checks the script
 
 What is measured. Every column is the median time of one call, in µs, under CUDA-graph
 replay: a graph captures one call on each of R input sets in turn (x, W, gain, outputs), is

@@ -1,0 +1,34 @@
+"""benchmarks/kernel_benchmark.py on CPU (--smoke): every column is timed and checked, the one-output column
+included, and the targets are judged for the per-split and the one-output `auto` alike."""
+
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+
+import kernel_benchmark  # noqa: E402
+
+
+def test_smoke_run_times_and_checks_the_one_output_column(tmp_path: Path) -> None:
+    assert kernel_benchmark.main(["--smoke", "--out", str(tmp_path), "--m", "1", "64", "--replays", "1"]) == 0
+    rows = json.loads((tmp_path / "kernels.json").read_text())["rows"]
+    assert len(rows) == 4
+    for row in rows:
+        assert set(row["times_us"]) == set(kernel_benchmark.COLUMNS)
+        assert row["times_us"][kernel_benchmark.ONE_OUTPUT] > 0
+        assert row["check_relative_error"][kernel_benchmark.ONE_OUTPUT] < kernel_benchmark.CHECK_TOLERANCE
+        assert row["one_output_over_compile"] > 0
+        expected = {"auto<=gemm", "rms+gemm>=1.30*auto"} if row["m"] <= 16 else set()
+        assert set(row["targets"]) == set(row["targets_one_output"]) == expected
+    table = (tmp_path / "kernels.md").read_text()
+    assert "auto, one output (picks)" in table and "Missed (one output)" in table
+
+
+def test_targets_judge_the_given_auto_time() -> None:
+    times = {"gemm": 4.0, "rms+gemm": 8.0}
+    assert kernel_benchmark.targets(1, 3.0, times) == {"auto<=gemm": True, "rms+gemm>=1.30*auto": True}
+    assert kernel_benchmark.targets(1, 7.0, times) == {"auto<=gemm": False, "rms+gemm>=1.30*auto": False}
+    assert kernel_benchmark.targets(1024, 8.5, times) == {"auto<=rms+gemm": False}
+    assert kernel_benchmark.targets(64, 3.0, times) == {}
+    assert kernel_benchmark.targets(1, None, times) == {}
