@@ -181,7 +181,7 @@ int64_t prenorm_min_rows(flashnorm_problem const& problem)
     int64_t const rows = (kAuto.prenorm_min_narrow_run_elements + narrowest - 1) / narrowest;
     if (epilogue_scale_short_k(problem))
         return std::max(rows, kAuto.epilogue_scale_split_runs_max_rows + 1);
-    return rows > kAuto.prenorm_min_rows ? rows : kAuto.prenorm_min_rows;
+    return std::max(rows, kAuto.prenorm_min_rows);
 }
 
 // AUTO's epilogue-scale region. Whether the device and the pointers allow it is known only at
@@ -193,7 +193,7 @@ bool auto_picks_epilogue_scale(flashnorm_problem const& problem)
         return false;
     flashnorm::SplitRun runs[FLASHNORM_MAX_OUTPUTS];
     bool const several_runs = flashnorm::split_runs(problem, runs) > 1;
-    if (problem.k <= kAuto.epilogue_scale_max_k)
+    if (epilogue_scale_short_k(problem))
         return problem.m >= kAuto.epilogue_scale_min_rows
             && problem.m <= (several_runs ? kAuto.epilogue_scale_split_runs_max_rows : kAuto.epilogue_scale_max_rows);
     if (problem.m != kAuto.epilogue_scale_long_k_rows)
