@@ -42,13 +42,22 @@ struct AutoTable
     int64_t epilogue_scale_split_runs_max_rows;
     int64_t epilogue_scale_max_k;
     int64_t epilogue_scale_one_wave_elements;
-    // ... and at exactly epilogue_scale_long_k_rows rows (one whole row block of its 64-row tiles: a
-    // partial last block costs its GEMM on every K step, which long K makes slower than the
-    // alternatives) where K is at least epilogue_scale_long_k and, for one run of splits, K·N is
-    // below epilogue_scale_one_run_max_weight (a large-weight prenorm region then starts after it).
+    // ... where K is at least epilogue_scale_long_k: at exactly epilogue_scale_long_k_rows rows
+    // where the splits form several runs, or one run with K·N below
+    // epilogue_scale_one_run_max_weight (a large-weight prenorm region then starts after it) ...
     int64_t epilogue_scale_long_k_rows;
     int64_t epilogue_scale_long_k;
     int64_t epilogue_scale_one_run_max_weight;
+    // ... and for any K from epilogue_scale_one_wave_min_rows rows wherever its tiles run in one
+    // wave at least epilogue_scale_one_wave_fill_percent % full, except 64-row tiles that sum the
+    // rows in the main loop on K past epilogue_scale_max_k beyond one row block, and 128-row tiles
+    // whose last row block is less than epilogue_scale_last_block_sixteenths / 16 full (there
+    // two_stream's cuBLAS tiles measured faster); its tiles as the kernel library picks them on
+    // epilogue_scale_multiprocessors, the H200's.
+    int64_t epilogue_scale_one_wave_min_rows;
+    int64_t epilogue_scale_one_wave_fill_percent;
+    int64_t epilogue_scale_last_block_sixteenths;
+    int epilogue_scale_multiprocessors;
 };
 
 constexpr AutoTable kAuto{
@@ -60,7 +69,7 @@ constexpr AutoTable kAuto{
     /*prenorm_large_weight=*/int64_t(1) << 25,
     /*prenorm_min_narrow_run_elements=*/int64_t(5) << 18,
     /*prenorm_min_rows_f32=*/1024,
-    /*epilogue_scale_min_rows=*/64,
+    /*epilogue_scale_min_rows=*/17,
     /*epilogue_scale_max_rows=*/1024,
     /*epilogue_scale_split_runs_max_rows=*/4096,
     /*epilogue_scale_max_k=*/1024,
@@ -68,6 +77,10 @@ constexpr AutoTable kAuto{
     /*epilogue_scale_long_k_rows=*/64,
     /*epilogue_scale_long_k=*/2048,
     /*epilogue_scale_one_run_max_weight=*/int64_t(1) << 26,
+    /*epilogue_scale_one_wave_min_rows=*/9,
+    /*epilogue_scale_one_wave_fill_percent=*/70,
+    /*epilogue_scale_last_block_sixteenths=*/9,
+    /*epilogue_scale_multiprocessors=*/132,
 };
 
 bool valid_dtype(flashnorm_dtype dtype)
@@ -184,6 +197,25 @@ int64_t prenorm_min_rows(flashnorm_problem const& problem)
     return std::max(rows, kAuto.prenorm_min_rows);
 }
 
+// Whether the epilogue-scale GEMM's tiles for this problem (on the H200's multiprocessors) run in
+// one wave that AUTO takes: at least epilogue_scale_one_wave_fill_percent % full, 64-row tiles
+// summing the rows in the main loop on long K in one row block only, 128-row tiles with a last row
+// block at least epilogue_scale_last_block_sixteenths / 16 full.
+bool epilogue_scale_one_wave_taken(flashnorm_problem const& problem)
+{
+    int const multiprocessors = kAuto.epilogue_scale_multiprocessors;
+    flashnorm::EpilogueScaleTileShape const tile = flashnorm::epilogue_scale_tile_shape(
+        flashnorm::epilogue_scale_tiles(problem.m, problem.k, problem.n, multiprocessors));
+    int64_t const row_blocks = (problem.m + tile.rows - 1) / tile.rows;
+    int64_t const tiles = row_blocks * ((problem.n + tile.columns - 1) / tile.columns);
+    if (!tile.one_wave || 100 * tiles < kAuto.epilogue_scale_one_wave_fill_percent * multiprocessors)
+        return false;
+    if (tile.row_sums && problem.k > kAuto.epilogue_scale_max_k)
+        return row_blocks == 1;
+    int64_t const last_block_rows = problem.m - (row_blocks - 1) * tile.rows;
+    return tile.rows < 128 || 16 * last_block_rows >= kAuto.epilogue_scale_last_block_sixteenths * tile.rows;
+}
+
 // AUTO's epilogue-scale region. Whether the device and the pointers allow it is known only at
 // the call (epilogue_scale_refusal); there AUTO falls back to two_stream, whose workspace
 // workspace_bytes_for() therefore reserves too.
@@ -193,12 +225,13 @@ bool auto_picks_epilogue_scale(flashnorm_problem const& problem)
         return false;
     flashnorm::SplitRun runs[FLASHNORM_MAX_OUTPUTS];
     bool const several_runs = flashnorm::split_runs(problem, runs) > 1;
-    if (epilogue_scale_short_k(problem))
-        return problem.m >= kAuto.epilogue_scale_min_rows
-            && problem.m <= (several_runs ? kAuto.epilogue_scale_split_runs_max_rows : kAuto.epilogue_scale_max_rows);
-    if (problem.m != kAuto.epilogue_scale_long_k_rows)
-        return false;
-    return several_runs ? problem.k >= kAuto.epilogue_scale_long_k : epilogue_scale_one_run_long_k(problem);
+    if (epilogue_scale_short_k(problem) && problem.m >= kAuto.epilogue_scale_min_rows
+        && problem.m <= (several_runs ? kAuto.epilogue_scale_split_runs_max_rows : kAuto.epilogue_scale_max_rows))
+        return true;
+    if (problem.m == kAuto.epilogue_scale_long_k_rows
+        && (several_runs ? problem.k >= kAuto.epilogue_scale_long_k : epilogue_scale_one_run_long_k(problem)))
+        return true;
+    return problem.m >= kAuto.epilogue_scale_one_wave_min_rows && epilogue_scale_one_wave_taken(problem);
 }
 
 flashnorm_strategy resolve(flashnorm_problem const& problem)

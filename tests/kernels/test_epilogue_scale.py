@@ -86,6 +86,37 @@ def test_cooperative_tiles_with_row_and_split_tails(m, k, splits, dtype, rng):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize(
+    ("m", "k", "splits"),
+    [
+        (73, 2056, [1056, 512, 488]),  # one wave of 64x64 tiles: 9 rows of the last block, 2 atoms of 8 rows
+        (120, 4104, [1056, 1000]),  # 64x64x128 tiles: 56 rows, boxes of 1, 2 and 4 atoms, two per K step, a K tail
+        (127, 4104, [1056, 1000]),  # 63 rows: the tile's own box (one row past x)
+        (248, 2056, [4096, 1024, 1024]),  # one wave of 128x128 tiles: 120 rows, boxes of 1, 2, 4 and 8 atoms
+        (200, 2048, [2048, 512, 512]),  # one wave of 128x64 tiles: 72 rows, boxes of 1 and 8 atoms
+        (65, 1032, [8992, 8008]),  # ping-pong 64x64 tiles (more of them than multiprocessors): 1 row
+        (1031, 2048, [8224, 4320, 4352]),  # 128x256 clusters: 7 rows, the cluster's second block wholly past x
+    ],
+)
+def test_partial_last_row_block_loaded_by_atoms(m, k, splits, dtype, rng):
+    """The last row block that x fills only in part, whose rows the main loop loads in boxes of 1, 2,
+    4, ... swizzle atoms of 8 rows (the binary digits of its atom count; the tile's own box where it
+    misses fewer than 8 rows): row counts that end inside an atom and on one, for each tile
+    configuration that runs there, and a cluster whose second block lies wholly past x and still
+    multicasts its half of W*'s tile. Rows past x hold what the stage held before; outputs past M
+    are never written (the NaN poison of the padded buffer stays)."""
+    cuda_ops = cuda_ops_module()
+    _require_epilogue_scale(cuda_ops)
+    x, w = random_inputs(generator_from(rng), m, k, sum(splits), dtype)
+    padded = [torch.full((m + 64, size), float("nan"), dtype=dtype, device="cuda") for size in splits]
+    outputs = [buffer[:m] for buffer in padded]
+    cuda_ops.flashnorm_matmul(x, w, 1e-5, splits=splits, strategy="epilogue_scale", out=outputs)
+    _assert_matches(outputs, x, w, 1e-5, splits, f"m={m} k={k} {dtype}")
+    assert all(buffer[m:].isnan().all() for buffer in padded), "rows past M were written"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("m", [64, 300])
 def test_outputs_at_odd_addresses_are_refused_and_auto_writes_nothing_around_them(m, dtype, rng):
     """Outputs 1, 4 and 7 elements into one NaN buffer, rows AUTO gives epilogue-scale: TMA cannot
@@ -119,16 +150,18 @@ def test_outputs_at_odd_addresses_are_refused_and_auto_writes_nothing_around_the
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_auto_region_and_its_fallback_on_unaligned_x(dtype, rng):
-    """AUTO picks epilogue-scale with K <= 1024 at 64..1024 rows (to 4096 for q|k|v splits, below
-    prenorm's region), and at 64 rows with K >= 2048 for q|k|v splits and for one run of splits with
-    K·N < 2^26 (kAuto), and where x is not 16-byte aligned runs two_stream in the workspace AUTO
-    sized, not an error."""
+    """AUTO picks epilogue-scale with K <= 1024 at 17..1024 rows (to 4096 for q|k|v splits, below
+    prenorm's region), at 64 rows with K >= 2048 for q|k|v splits and for one run of splits with
+    K·N < 2^26, and from 9 rows where its tiles fill one wave (kAuto), and where x is not 16-byte
+    aligned runs two_stream in the workspace AUTO sized, not an error."""
     cuda_ops = cuda_ops_module()
     _require_epilogue_scale(cuda_ops)
     generator = generator_from(rng)
     cases = (
         (512, 576, [576, 192, 192]), (64, 576, [1536, 1536]), (64, 4096, [4096, 1024, 1024]), (64, 2048, [8192, 8192]),
         (64, 2048, [2048, 512, 512]), (300, 576, [1536, 1536]), (3000, 576, [576, 192, 192]),
+        (24, 576, [576, 192, 192]), (9, 576, [1536, 1536]), (16, 4096, [4096, 1024, 1024]),
+        (200, 2048, [2048, 512, 512]), (250, 4096, [4096, 1024, 1024]),
     )
     for m, k, splits in cases:
         assert cuda_ops.resolve_strategy(m, k, sum(splits), dtype, splits) == "epilogue_scale"

@@ -108,28 +108,37 @@ def test_loads_and_answers_without_a_gpu(built_library):
         assert not context.value
 
 
-def test_auto_strategy_through_the_python_binding(built_library, monkeypatch):
-    """AUTO's measured thresholds (kAuto in capi.cpp), asked through flashnorm.cuda_ops: no GPU needed."""
+def test_auto_strategy_through_the_python_binding(built_library, epilogue_scale_built, monkeypatch):
+    """AUTO's measured thresholds (kAuto in capi.cpp), asked through flashnorm.cuda_ops: no GPU needed.
+    Where a build with the CUTLASS kernel runs epilogue-scale instead (its rows are
+    test_auto_epilogue_scale_region's), `or_es` names what a build without it runs."""
     import torch
 
     from flashnorm import cuda_ops
 
     monkeypatch.setenv("FLASHNORM_LIBRARY", str(built_library))
     monkeypatch.setattr(cuda_ops, "_library", None)
+
+    def or_es(strategy: str) -> str:
+        return "epilogue_scale" if epilogue_scale_built else strategy
+
     assert cuda_ops.resolve_strategy(1, 576, 960, torch.bfloat16) == "fused"
     assert cuda_ops.resolve_strategy(16, 576, 960, torch.float16) == "fused"
-    assert cuda_ops.resolve_strategy(17, 576, 960, torch.bfloat16) == "two_stream"
-    assert cuda_ops.resolve_strategy(16, 576, 3072, torch.bfloat16) == "fused"
+    assert cuda_ops.resolve_strategy(17, 576, 960, torch.bfloat16) == or_es("two_stream")
+    assert cuda_ops.resolve_strategy(16, 576, 3072, torch.bfloat16) == or_es("fused")
     assert cuda_ops.resolve_strategy(16, 2048, 3072, torch.bfloat16) == "fused"
-    assert cuda_ops.resolve_strategy(16, 4096, 6144, torch.bfloat16) == "fused"
-    assert cuda_ops.resolve_strategy(16, 2048, 16384, torch.bfloat16) == "fused"
-    assert cuda_ops.resolve_strategy(17, 2048, 16384, torch.bfloat16) == "two_stream"
-    assert cuda_ops.resolve_strategy(16, 2048, 16392, torch.bfloat16) == "two_stream"
+    assert cuda_ops.resolve_strategy(16, 4096, 6144, torch.bfloat16) == or_es("fused")
+    assert cuda_ops.resolve_strategy(16, 2048, 16384, torch.bfloat16) == or_es("fused")
+    assert cuda_ops.resolve_strategy(17, 2048, 16384, torch.bfloat16) == or_es("two_stream")
+    assert cuda_ops.resolve_strategy(16, 2048, 16392, torch.bfloat16) == or_es("two_stream")
+    # The same two thresholds where a split edge off the 32-column grid keeps epilogue-scale out.
+    assert cuda_ops.resolve_strategy(16, 2048, 16384, torch.bfloat16, [8184, 8200]) == "fused"
+    assert cuda_ops.resolve_strategy(16, 2048, 16392, torch.float16, [16376, 16]) == "two_stream"
     assert cuda_ops.resolve_strategy(8, 4096, 28672, torch.bfloat16) == "fused"
     assert cuda_ops.resolve_strategy(9, 4096, 28672, torch.bfloat16) == "two_stream"
     assert cuda_ops.resolve_strategy(1, 576, 960, torch.float32) == "two_stream"
     assert cuda_ops.resolve_strategy(1, 576, 962, torch.bfloat16) == "two_stream"
-    assert cuda_ops.resolve_strategy(255, 4096, 6144, torch.bfloat16) == "two_stream"
+    assert cuda_ops.resolve_strategy(255, 4096, 6144, torch.bfloat16) == or_es("two_stream")
     assert cuda_ops.resolve_strategy(256, 4096, 6144, torch.bfloat16) == "prenorm"
     # Prenorm runs one GEMM per run of equal-width splits: under AUTO (16-bit) M × the narrowest run's
     # columns must be >= 1.25·2^20 (k|v: 2048 columns here), unless all splits are one run.
@@ -138,8 +147,8 @@ def test_auto_strategy_through_the_python_binding(built_library, monkeypatch):
     assert cuda_ops.resolve_strategy(640, 4096, 6144, torch.float16, qkv) == "prenorm"
     assert cuda_ops.resolve_strategy(6827, 576, 960, torch.bfloat16, [192, 576, 192]) == "prenorm"
     assert cuda_ops.resolve_strategy(512, 576, 3072, torch.bfloat16, [1536, 1536]) == "prenorm"
-    assert cuda_ops.resolve_strategy(63, 576, 3072, torch.bfloat16, [1536, 1536]) == "two_stream"
-    assert cuda_ops.resolve_strategy(63, 2048, 16384, torch.bfloat16, [8192, 8192]) == "two_stream"
+    assert cuda_ops.resolve_strategy(63, 576, 3072, torch.bfloat16, [1536, 1536]) == or_es("two_stream")
+    assert cuda_ops.resolve_strategy(63, 2048, 16384, torch.bfloat16, [8192, 8192]) == or_es("two_stream")
     assert cuda_ops.resolve_strategy(64, 4096, 28672, torch.float16) == "prenorm"
     assert cuda_ops.resolve_strategy(64, 2048, 32768, torch.bfloat16, [16384, 16384]) == "prenorm"
     assert cuda_ops.resolve_strategy(128, 4096, 6144, torch.bfloat16) == "two_stream"
@@ -157,69 +166,83 @@ def epilogue_scale_built(built_library) -> bool:
 
 
 def test_auto_epilogue_scale_region(built_library, epilogue_scale_built, monkeypatch):
-    """Built with the CUTLASS kernel, AUTO picks epilogue-scale for 64..1024 rows with K <= 1024
-    below prenorm's region (which for one run of splits starts past M·N = 2^20 there; for several
-    runs, to 4096 rows ahead of prenorm's region, which then starts at 4097 at the earliest), and at
-    exactly 64 rows with K >= 2048 where the splits form several runs or one run with K·N < 2^26, a
-    large-weight prenorm region then starting at 65 rows (kAuto; measured faster than what AUTO
-    picked before on SmolLM2-135M's, Llama-3.2-1B's and Llama-3.1-8B's q|k|v and SmolLM2-135M's and
-    Llama-3.2-1B's gate|up, kernels/NOTES.md); built without, two_stream, or prenorm from 64 rows on
-    a one-run W* of K·N >= 2^25. Either way AUTO reserves two_stream's workspace there: the call
-    falls back to two_stream where the device or the pointers refuse the CUTLASS kernel."""
+    """Built with the CUTLASS kernel, AUTO picks epilogue-scale (kAuto; each region measured faster
+    than what AUTO picked before, kernels/NOTES.md): with K <= 1024 from 17 rows to 1024 below
+    prenorm's region (which for one run of splits starts past M·N = 2^20 there; for several runs, to
+    4096 rows ahead of prenorm's region, which then starts at 4097 at the earliest); with K >= 2048
+    at exactly 64 rows where the splits form several runs or one run with K·N < 2^26, a large-weight
+    prenorm region then starting at 65 rows; and from 9 rows wherever its tiles run in one wave at
+    least 70 % full of the H200's 132 multiprocessors, except 64-row tiles summing the rows in the
+    main loop on long K beyond one row block and 128-row tiles whose last row block is less than
+    9/16 full. Built without, fused, two_stream, or prenorm from 64 rows on a one-run W* of
+    K·N >= 2^25. Either way AUTO reserves two_stream's workspace there: the call falls back to
+    two_stream where the device or the pointers refuse the CUTLASS kernel."""
     import torch
 
     from flashnorm import cuda_ops
 
     monkeypatch.setenv("FLASHNORM_LIBRARY", str(built_library))
     monkeypatch.setattr(cuda_ops, "_library", None)
+    es = "epilogue_scale" if epilogue_scale_built else None
+
+    def check(k: int, splits: list[int], expected_by_rows) -> None:
+        for m, expected in expected_by_rows:
+            assert cuda_ops.resolve_strategy(m, k, sum(splits), torch.bfloat16, splits) == expected, (m, k, splits)
+
     qkv = [576, 192, 192]
-    region = "epilogue_scale" if epilogue_scale_built else "two_stream"
-    for m, expected in ((63, "two_stream"), (64, region), (1024, region), (1025, region)):
-        assert cuda_ops.resolve_strategy(m, 576, 960, torch.bfloat16, qkv) == expected, m
+    region = es or "two_stream"
+    check(576, qkv, ((16, "fused"), (17, region), (63, region), (64, region), (1024, region), (1025, region)))
     # Several runs on short K: epilogue-scale to 4096 rows, prenorm's region after them; without the
     # kernel, two_stream up to prenorm's narrow-run threshold (M × 384 columns >= 1.25·2^20: 3414 rows).
-    below_prenorm = region if epilogue_scale_built else "prenorm"
-    for m, expected in ((3413, region), (3414, below_prenorm), (4096, below_prenorm), (4097, "prenorm")):
-        assert cuda_ops.resolve_strategy(m, 576, 960, torch.bfloat16, qkv) == expected, m
-    for m, expected in ((4096, region), (4097, "two_stream"), (6826, "two_stream"), (6827, "prenorm")):
-        assert cuda_ops.resolve_strategy(m, 576, 960, torch.bfloat16, [192, 576, 192]) == expected, m
+    below_prenorm = es or "prenorm"
+    check(576, qkv, ((3413, region), (3414, below_prenorm), (4096, below_prenorm), (4097, "prenorm")))
+    check(576, [192, 576, 192], ((4096, region), (4097, "two_stream"), (6826, "two_stream"), (6827, "prenorm")))
+    # One run on short K (SmolLM2-135M's gate|up): from 9 rows its 96 tiles of 64×32 fill one wave.
     gate_up = [1536, 1536]
     prenorm_from = 2**20 // 3072 + 1 if epilogue_scale_built else 256
-    for m, expected in ((63, "two_stream"), (64, region), (prenorm_from - 1, region), (prenorm_from, "prenorm")):
-        assert cuda_ops.resolve_strategy(m, 576, 3072, torch.bfloat16, gate_up) == expected, m
-    one_output = "epilogue_scale" if epilogue_scale_built else "prenorm"
-    for m, expected in ((255, region), (256, one_output), (1024, one_output), (1025, "prenorm")):
-        assert cuda_ops.resolve_strategy(m, 576, 960, torch.bfloat16) == expected, m
+    check(576, gate_up, ((8, "fused"), (9, es or "fused"), (16, es or "fused"), (17, region), (63, region),
+                         (64, region), (prenorm_from - 1, region), (prenorm_from, "prenorm")))
+    check(576, [960], ((255, region), (256, es or "prenorm"), (1024, es or "prenorm"), (1025, "prenorm")))
     assert cuda_ops.resolve_strategy(512, 576, 960, torch.float16, qkv) == region
     assert cuda_ops.resolve_strategy(512, 576, 960, torch.float32, qkv) == "two_stream"
-    assert cuda_ops.resolve_strategy(512, 2048, 3072, torch.bfloat16, [2048, 512, 512]) == "two_stream"
     assert cuda_ops.resolve_strategy(512, 576, 3072, torch.bfloat16, [1536, 1536]) == "prenorm"
     assert cuda_ops.resolve_strategy(512, 576, 964, torch.bfloat16, [576, 192, 196]) == "two_stream"
-    # The long-K rows: 64 where K >= 2048 (Llama-3.2-1B's and Llama-3.1-8B's q|k|v); from 65 a partial
-    # 64-row block, where the GEMM measured slower than two_stream.
+    # Llama-3.1-8B's q|k|v: one wave of 96 tiles of 64×64 from 9 to 64 rows; 64×128 tiles with the
+    # sums in the main loop over two row blocks from 65 (not taken); one wave of 96 128×128 tiles
+    # from 129 rows, taken from 200 (a last row block of 72 rows); past one wave from 257.
     qkv_8b = [4096, 1024, 1024]
-    for m, expected in ((63, "two_stream"), (64, region), (65, "two_stream"), (96, "two_stream"), (128, "two_stream")):
-        assert cuda_ops.resolve_strategy(m, 4096, 6144, torch.bfloat16, qkv_8b) == expected, m
-        assert cuda_ops.resolve_strategy(m, 2048, 3072, torch.bfloat16, [2048, 512, 512]) == expected, m
-    assert cuda_ops.resolve_strategy(64, 2040, 6144, torch.bfloat16, qkv_8b) == "two_stream"
+    check(4096, qkv_8b, ((8, "fused"), (9, es or "fused"), (16, es or "fused"), (17, region), (64, region),
+                         (65, "two_stream"), (128, "two_stream"), (199, "two_stream"), (200, region), (256, region),
+                         (257, "two_stream"), (639, "two_stream"), (640, "prenorm")))
+    # Llama-3.2-1B's q|k|v: 48 tiles of 64×64 up to 64 rows (exactly 64 taken), 96 from 65 to 128;
+    # one wave of 96 128×64 tiles from 129 to 256 rows, of 96 and 120 128×128 tiles from 385 to 640,
+    # each taken from a last row block of 72 rows.
+    qkv_1b = [2048, 512, 512]
+    check(2048, qkv_1b, ((16, "fused"), (17, "two_stream"), (63, "two_stream"), (64, region), (65, region),
+                         (128, region), (129, "two_stream"), (199, "two_stream"), (200, region), (256, region),
+                         (257, "two_stream"), (455, "two_stream"), (456, region), (512, region), (513, "two_stream"),
+                         (583, "two_stream"), (584, region), (640, region), (641, "two_stream")))
+    assert cuda_ops.resolve_strategy(64, 2040, 3072, torch.bfloat16, qkv_1b) == "two_stream"
     assert cuda_ops.resolve_strategy(64, 4096, 6144, torch.float32, qkv_8b) == "two_stream"
     assert cuda_ops.resolve_strategy(64, 4096, 28672, torch.bfloat16, [14336, 14336]) == "prenorm"
-    # One run on long K: 64 rows where K >= 2048 and 2^25 <= K·N < 2^26 (Llama-3.2-1B's gate|up),
-    # ahead of prenorm, which a build without the kernel keeps from 64 rows there.
+    # One run on long K, K·N from 2^25 below 2^26 (Llama-3.2-1B's gate|up): one wave of 128 tiles
+    # of 64×128 from 9 to 64 rows, ahead of fused, two_stream and prenorm, which a build without the
+    # kernel keeps from 64 rows there.
     gate_up_1b = [8192, 8192]
-    one_run = "epilogue_scale" if epilogue_scale_built else "prenorm"
-    for m, expected in ((63, "two_stream"), (64, one_run), (65, "prenorm"), (128, "prenorm")):
-        assert cuda_ops.resolve_strategy(m, 2048, 16384, torch.bfloat16, gate_up_1b) == expected, m
+    check(2048, gate_up_1b, ((8, "fused"), (9, es or "fused"), (17, es or "two_stream"), (63, es or "two_stream"),
+                             (64, es or "prenorm"), (65, "prenorm"), (128, "prenorm")))
     assert cuda_ops.resolve_strategy(64, 2048, 16384, torch.float32, gate_up_1b) == "two_stream"
-    assert cuda_ops.resolve_strategy(64, 2040, 16384, torch.bfloat16, gate_up_1b) == "two_stream"
-    # One run below 2^25, K >= 2048: 64 rows, then two_stream up to prenorm's 256 rows.
-    for m, expected in ((64, region), (65, "two_stream"), (128, "two_stream"), (255, "two_stream"), (256, "prenorm")):
-        assert cuda_ops.resolve_strategy(m, 2048, 11008, torch.bfloat16, [5504, 5504]) == expected, m
-        assert cuda_ops.resolve_strategy(m, 4096, 6144, torch.bfloat16) == expected, m
+    assert cuda_ops.resolve_strategy(64, 2040, 16384, torch.bfloat16, gate_up_1b) == region
+    # One run below 2^25, K >= 2048: 64 rows, then two_stream up to prenorm's 256 rows; Llama-3.1-8B's
+    # q|k|v as one output also in one wave of 64×64 tiles from 9 rows and of 128×128 tiles from 200.
+    check(2048, [5504, 5504], ((17, "two_stream"), (64, region), (65, "two_stream"), (255, "two_stream"), (256, "prenorm")))
+    check(4096, [6144], ((9, es or "fused"), (64, region), (65, "two_stream"), (199, "two_stream"), (200, region),
+                         (255, region), (256, "prenorm")))
     reserved = [(64, 576, qkv), (1000, 576, qkv), (1024, 576, qkv), (4096, 576, qkv), (64, 576, gate_up), (64, 4096, qkv_8b),
-                (64, 2048, [2048, 512, 512]), (prenorm_from - 1, 576, gate_up)]
-    if epilogue_scale_built:  # without the kernel these rows are prenorm's
-        reserved += [(64, 2048, gate_up_1b), (1024, 576, [960])]
+                (64, 2048, qkv_1b), (prenorm_from - 1, 576, gate_up)]
+    if epilogue_scale_built:  # without the kernel these rows are fused's or prenorm's
+        reserved += [(64, 2048, gate_up_1b), (1024, 576, [960]), (9, 576, gate_up), (16, 4096, qkv_8b),
+                     (200, 2048, qkv_1b), (640, 2048, qkv_1b)]
     for m, k, splits in reserved:
         two_stream = cuda_ops.workspace_size(m, k, splits, torch.bfloat16, "two_stream")
         assert cuda_ops.workspace_size(m, k, splits, torch.bfloat16) >= two_stream, (m, k)

@@ -31,9 +31,130 @@
 // storing from registers (2026-12-03: SmolLM2-135M q|k|v at 1024 rows 9.0 -> 6.1 µs; kernels/NOTES.md).
 #include "kernels/kernels.h"
 
+namespace flashnorm
+{
+namespace
+{
+
+// Short K (to kRowSumsMaxK) to kRowSumsMaxRows rows: 64-row tiles whose main loop sums the rows.
+constexpr int64_t kRowSumsMaxK = 1024;
+constexpr int64_t kRowSumsMaxRows = 1024;
+// 64-row tiles with the reduction kernel in front up to these rows; 128-deep K steps from this K.
+constexpr int64_t kSmallTileMaxRows = 256;
+constexpr int64_t kLongKOneWaveMinK = 4096;
+// 128×256 tiles from this K in waves at least 80 % full (on shorter K in one wave only).
+constexpr int64_t kWideTileMinK = 2048;
+// On long K, one wave of 128-row tiles that fills at least this share of the multiprocessors.
+constexpr int64_t kLongKOneWaveFillPercent = 70;
+
+int64_t tile_count(int64_t m, int64_t n, int64_t tile_m, int64_t tile_n)
+{
+    return ((m + tile_m - 1) / tile_m) * ((n + tile_n - 1) / tile_n);
+}
+
+// Whether `tiles` run in one wave that keeps at least kLongKOneWaveFillPercent % of the
+// multiprocessors busy.
+bool fills_one_wave(int64_t tiles, int sm_count)
+{
+    return tiles <= sm_count && 100 * tiles >= kLongKOneWaveFillPercent * sm_count;
+}
+
+// 128×256 tiles pay off where each tile's main loop is long and the last wave is not mostly idle:
+// on the H200 (2026-12-01 23:55 UTC, Nsight Compute) Llama-3.1-8B gate/up at M = 256, 1024, 4096
+// took 108.5 / 334.7 / 1312.9 µs against 115.5 / 413.1 / 1583.6 with 128×128 tiles, while
+// Llama-3.1-8B qkv at M = 1024 (192 wide tiles: the second wave 45 % full) took 105.2 against 91.8
+// and SmolLM2 gate/up at M = 4096 (K = 576, three waves) 46.2 against 44.4. On short K in one wave
+// they do pay off (2026-12-03 12:56 UTC): SmolLM2 q|k|v at M = 4096, 128 tiles, 15.0 µs against 16.6
+// on 128×128 tiles.
+bool wide_tiles_fit(int64_t m, int64_t k, int64_t n, int sm_count)
+{
+    int64_t const tiles = tile_count(m, n, 128, 256);
+    int64_t const waves = (tiles + sm_count - 1) / sm_count;
+    if (m <= 128 || 5 * tiles < 4 * waves * sm_count)
+    {
+        return false;
+    }
+    return k >= kWideTileMinK ? tiles >= sm_count : waves == 1;
+}
+
+} // namespace
+
+// Measured on the H200 (kernels/NOTES.md):
+// - Short K, to 1024 rows: one wave of the narrowest of 64×32, 64×64 and 64×128 tiles that number
+//   at most the multiprocessors (the non-persistent kernel, one tile per block, no tile
+//   scheduler), else ping-pong 64×128 tiles. 2026-12-03 ("Short K beyond 256 rows, long K back to
+//   the reduction kernel"): SmolLM2-135M q|k|v at M = 256 5.55 µs on 120 tiles of 64×32 against
+//   5.88 on 60 of 64×64, at 512 6.1 against 7.9 on 128-row tiles; gate|up at 256 7.4 on 64×128
+//   tiles against 8.8 on ping-pong 64×64 ones, at 1024 14.1 against 17.7 on 128×128.
+// - Longer K to 256 rows: 64-row tiles with the reduction kernel, where the sums' loads and
+//   squares in each K step cost more than they save (Llama-3.1-8B q|k|v at M = 128 26.5 µs against
+//   32.2, gate|up at 64 65.2 against 70.3): one wave of 64×64 tiles (128-deep K steps on K ≥ 4096),
+//   else one wave of 64×128 tiles with the sums in the main loop (twice the wgmma work per K step
+//   hides them: 2026-12-03, Llama-3.2-1B gate|up at M = 64 22.0 µs against 23.3 on ping-pong 64×64
+//   tiles, q|k|v at 256 13.3 against 16.1, Llama-3.1-8B q|k|v at 128 23.0 against 26.2), else
+//   ping-pong 64×64 tiles.
+// - Otherwise 128-row cooperative tiles: 128×128, or 128×64 where 128×128 ones would leave
+//   multiprocessors idle; 128×256 clusters where wide_tiles_fit. Ping-pong 64×128 / 64×256 tiles
+//   measured slower there, on long K or at 4096 rows.
+// - On long K, one wave of 128×128 tiles at least 70 % full ahead of the 64-row tiles, and then one
+//   of 128×64 tiles: 2026-12-03, Llama-3.1-8B q|k|v at 256 rows 25.9 µs on 96 tiles against 45 on
+//   ping-pong 64×64 ones, at 160 rows 25.8 (a partial last row block: PartialRowBlockMainloop)
+//   against 46.7; Llama-3.2-1B q|k|v at 512 rows 17.0 against 20.0 on 128×64 tiles, at 256 rows
+//   11.5 on 96 tiles of 128×64 against 12.1 on 64×128 tiles with the sums in the main loop.
+EpilogueScaleTiles epilogue_scale_tiles(int64_t m, int64_t k, int64_t n, int sm_count)
+{
+    if (k <= kRowSumsMaxK && m <= kRowSumsMaxRows)
+    {
+        if (tile_count(m, n, 64, 32) <= sm_count)
+        {
+            return EpilogueScaleTiles::kRowSums64x32;
+        }
+        if (tile_count(m, n, 64, 64) <= sm_count)
+        {
+            return EpilogueScaleTiles::kRowSums64x64;
+        }
+        if (tile_count(m, n, 64, 128) <= sm_count)
+        {
+            return EpilogueScaleTiles::kRowSums64x128;
+        }
+        return EpilogueScaleTiles::kRowSumsPingPong64x128;
+    }
+    if (wide_tiles_fit(m, k, n, sm_count))
+    {
+        return EpilogueScaleTiles::kClusters128x256;
+    }
+    bool const long_k = k > kRowSumsMaxK;
+    if (m > 128 && long_k && fills_one_wave(tile_count(m, n, 128, 128), sm_count))
+    {
+        return EpilogueScaleTiles::kOneWave128x128;
+    }
+    if (m > 128 && tile_count(m, n, 128, 128) >= sm_count)
+    {
+        return EpilogueScaleTiles::k128x128;
+    }
+    if (m > 128 && long_k && fills_one_wave(tile_count(m, n, 128, 64), sm_count))
+    {
+        return EpilogueScaleTiles::kOneWave128x64;
+    }
+    if (m <= kSmallTileMaxRows)
+    {
+        if (tile_count(m, n, 64, 64) <= sm_count)
+        {
+            return k >= kLongKOneWaveMinK ? EpilogueScaleTiles::kOneWave64x64DeepK : EpilogueScaleTiles::kOneWave64x64;
+        }
+        return tile_count(m, n, 64, 128) <= sm_count ? EpilogueScaleTiles::kRowSums64x128
+                                                     : EpilogueScaleTiles::kPingPong64x64;
+    }
+    return EpilogueScaleTiles::k128x64;
+}
+
+} // namespace flashnorm
+
 #ifdef FLASHNORM_HAVE_CUTLASS
 
 #include "device.cuh"
+
+#include <utility>
 
 #include <cute/tensor.hpp>
 #include <cutlass/cutlass.h>
@@ -368,6 +489,156 @@ struct RowScaleSplitStore
     }
 };
 
+// CUTLASS's warp-specialized sm90 main loop, except on a last row block that x fills only in part.
+// There the producer loads only the rows that exist, rounded up to whole swizzle atoms (8 rows ×
+// 128 bytes), as at most one box each of 1, 2, 4, ... atoms (the binary digits of the atom count),
+// instead of the tile's one box of which the TMA unit fills the rows past x with zeros. On the
+// H200 those fills cost the GEMM in proportion to the rows filled and to K (Llama-3.1-8B q|k|v on
+// 128×128 tiles at 144 rows 40.5 µs, 25.7 with x's tensor map spanning 256 rows of a padded x, 25.6
+// loaded this way; clipping the stores past M instead costs nothing), and each further box of a
+// stage costs too (Llama-3.2-1B q|k|v on 64×64 tiles at 112 rows 11.6 µs with one box per atom,
+// 9.2 this way, 9.6 at 128 rows; kernels/NOTES.md). The stage's full barrier expects the whole
+// tile's bytes (the pipeline's fixed count): the producer completes the bytes it does not load
+// itself (mbarrier.complete_tx) after its expect, so the phase still ends only once every box has
+// landed. Rows past x keep whatever the stage held: an accumulator row depends on its own row of A
+// only, and the epilogue stores no row past M.
+template <class Base>
+struct PartialRowBlockMainloop : Base
+{
+    using typename Base::ElementA;
+    using typename Base::MainloopPipeline;
+    using typename Base::PipelineState;
+    using typename Base::SmemLayoutA;
+    using typename Base::SmemLayoutAtomA;
+    using typename Base::SmemLayoutB;
+    using typename Base::TensorStorage;
+    using typename Base::TileShape;
+
+    static constexpr int kTileRows = size<0>(TileShape{});
+    static constexpr int kTileK = size<2>(TileShape{});
+    static constexpr int kAtomRows = size<0>(SmemLayoutAtomA{});
+    static constexpr int kAtomK = size<1>(SmemLayoutAtomA{});
+    static constexpr int kTileAtoms = kTileRows / kAtomRows;
+    // Boxes of 1, 2, 4, ... atoms, each fewer than a tile's: a block missing fewer rows than an atom
+    // loads the tile's own box.
+    static constexpr int kBoxSizes = cute::log_2(static_cast<unsigned>(kTileAtoms));
+    static_assert(sizeof_bits_v<ElementA> == 16 && kTileRows % kAtomRows == 0 && kTileK % kAtomK == 0
+            && cute::has_single_bit(static_cast<unsigned>(kTileAtoms))
+            && cute::is_same_v<SmemLayoutAtomA, decltype(GMMA::Layout_K_SW128_Atom<ElementA>{})>,
+        "A tiles of a power of two of SW128 K-major atoms of a 16-bit type");
+    static_assert(decltype(SmemLayoutA{}.layout_b()(Int<kAtomRows>{}, _0{}, _0{}))::value == kAtomRows * kAtomK,
+        "a stage stacks its atoms along M first, as the boxes do");
+
+    // x: [M, K] row-major, rows K apart.
+    using RowsLayout = Layout<Shape<int32_t, int32_t>, Stride<int64_t, _1>>;
+    // A box of `Atoms` atoms stacked along M, as they lie in the tile's stage.
+    template <int Atoms>
+    using BoxLayout = decltype(tile_to_shape(SmemLayoutAtomA{}, Shape<Int<Atoms * kAtomRows>, Int<kAtomK>>{}));
+
+    template <class Rows, size_t... Size>
+    static auto make_box_loads(Rows const& x, std::index_sequence<Size...>)
+    {
+        return cute::make_tuple(make_tma_copy(SM90_TMA_LOAD{}, x, BoxLayout<(1 << Size)>{})...);
+    }
+
+    using BoxLoads = decltype(make_box_loads(make_tensor(static_cast<ElementA const*>(nullptr), RowsLayout{}),
+        std::make_index_sequence<kBoxSizes>{}));
+
+    struct Params : Base::Params
+    {
+        BoxLoads box_loads_a;
+        int32_t rows;
+        int32_t k;
+    };
+
+    template <class ProblemShape>
+    static Params to_underlying_arguments(ProblemShape const& problem_shape, typename Base::Arguments const& args,
+        void* workspace)
+    {
+        int32_t const rows = int32_t(get<0>(problem_shape));
+        int32_t const k = int32_t(get<2>(problem_shape));
+        auto const x = make_tensor(reinterpret_cast<ElementA const*>(args.ptr_A),
+            make_layout(make_shape(rows, k), make_stride(int64_t(get<0>(args.dA)), _1{})));
+        return {Base::to_underlying_arguments(problem_shape, args, workspace),
+            make_box_loads(x, std::make_index_sequence<kBoxSizes>{}), rows, k};
+    }
+
+    template <class TensorA, class TensorB, class KTileIterator, class BlockCoord>
+    CUTLASS_DEVICE void load(Params const& params, MainloopPipeline pipeline, PipelineState smem_pipe_write,
+        cute::tuple<TensorA, TensorB> const& load_inputs, BlockCoord const& block_coord, KTileIterator k_tile_iter,
+        int k_tile_count, int thread_idx, uint32_t block_rank_in_cluster, TensorStorage& shared_tensors)
+    {
+        int const first_row = int(get<0>(block_coord)) * kTileRows;
+        int const present_rows = params.rows - first_row;
+        if (present_rows > kTileRows - kAtomRows)
+        {
+            Base::load(params, pipeline, smem_pipe_write, load_inputs, block_coord, k_tile_iter, k_tile_count,
+                thread_idx, block_rank_in_cluster, shared_tensors);
+            return;
+        }
+        if (!cute::elect_one_sync())
+        {
+            return;
+        }
+        // B as the built main loop loads it: this block's slice of the tile, multicast to the
+        // blocks of its cluster along M, which share the tile.
+        constexpr int kClusterM = size<0>(typename Base::DispatchPolicy::ClusterShape{});
+        static_assert(size<1>(typename Base::DispatchPolicy::ClusterShape{}) == 1, "clusters along M only");
+        Tensor sB = make_tensor(make_smem_ptr(shared_tensors.smem_B.data()), SmemLayoutB{});
+        auto const block_load_b = params.tma_load_b.get_slice(block_rank_in_cluster % kClusterM);
+        Tensor tBgB = block_load_b.partition_S(get<1>(load_inputs)(_, _, get<1>(block_coord), _, get<3>(block_coord)));
+        Tensor tBsB = block_load_b.partition_D(sB);
+        uint16_t const multicast_b = kClusterM > 1 ? uint16_t((1u << kClusterM) - 1u) : uint16_t(0);
+
+        // None where the block lies wholly past x (the second of a cluster's two along M).
+        int const atoms = present_rows > 0 ? (present_rows + kAtomRows - 1) / kAtomRows : 0;
+        uint32_t const bytes_not_loaded = uint32_t((kTileAtoms - atoms) * kAtomRows * kTileK * int(sizeof(ElementA)));
+        auto const unswizzled = SmemLayoutA{}.layout_b();
+        int const stage_elements = int(unswizzled(0, 0, 1));
+
+        CUTLASS_PRAGMA_NO_UNROLL
+        for (; k_tile_count > 0; --k_tile_count)
+        {
+            pipeline.producer_acquire(smem_pipe_write);
+            auto* const barrier = pipeline.producer_get_barrier(smem_pipe_write);
+            ElementA* const stage_a = shared_tensors.smem_A.data() + smem_pipe_write.index() * stage_elements;
+            int const k_tile = int(*k_tile_iter);
+            int loaded_atoms = 0;
+            cute::for_each(make_int_sequence<kBoxSizes>{}, [&](auto size) {
+                constexpr int kAtoms = 1 << decltype(size)::value;
+                if (atoms & kAtoms)
+                {
+                    auto const& box_load = get<decltype(size)::value>(params.box_loads_a);
+                    auto const block_load = box_load.get_slice(_0{});
+                    int const row = loaded_atoms * kAtomRows;
+                    Tensor rows = local_tile(
+                        domain_offset(make_coord(first_row + row, k_tile * kTileK),
+                            box_load.get_tma_tensor(make_shape(params.rows, params.k))),
+                        Shape<Int<kAtoms * kAtomRows>, Int<kAtomK>>{}, make_coord(_0{}, _));
+                    CUTLASS_PRAGMA_UNROLL
+                    for (int k_atom = 0; k_atom < kTileK / kAtomK; ++k_atom)
+                    {
+                        // The box's first element is an atom's, which the swizzle leaves in place.
+                        Tensor destination = make_tensor(
+                            make_smem_ptr(stage_a + unswizzled(row, k_atom * kAtomK, 0)), BoxLayout<kAtoms>{});
+                        copy(box_load.with(*barrier), block_load.partition_S(rows(_, _, k_atom)),
+                            block_load.partition_D(destination));
+                    }
+                    loaded_atoms += kAtoms;
+                }
+            });
+            copy(params.tma_load_b.with(*barrier, multicast_b), tBgB(_, _, _, k_tile),
+                tBsB(_, _, _, smem_pipe_write.index()));
+            // After the loads, so that they leave as early as the built main loop's: in either
+            // order the phase's count of bytes reaches zero only once both this and every load
+            // have completed theirs.
+            cutlass::arch::ClusterTransactionBarrier::complete_transaction(barrier, block_rank_in_cluster, bytes_not_loaded);
+            ++k_tile_iter;
+            ++smem_pipe_write;
+        }
+    }
+};
+
 // CUTLASS's warp-specialized sm90 main loop for one warp group's 64-row tile, with the RMS
 // reduction in it: each consumer thread also sums the squares of its two accumulator rows of x
 // from every A tile the TMA brings into shared memory, and after the last tile scales its
@@ -564,7 +835,8 @@ struct ScaledGemm
         cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(
             sizeof(typename CollectiveEpilogue::SharedStorage))>,
         KernelSchedule>::CollectiveOp;
-    using CollectiveMainloop = cute::conditional_t<SumsInMainLoop, RowSumMainloop<BuiltMainloop>, BuiltMainloop>;
+    using CollectiveMainloop = cute::conditional_t<SumsInMainLoop, RowSumMainloop<PartialRowBlockMainloop<BuiltMainloop>>,
+        PartialRowBlockMainloop<BuiltMainloop>>;
     using Kernel
         = cutlass::gemm::kernel::GemmUniversal<Shape<int, int, int, int>, CollectiveMainloop, CollectiveEpilogue>;
 };
@@ -572,87 +844,29 @@ struct ScaledGemm
 using Cooperative = cutlass::gemm::KernelTmaWarpSpecializedCooperative;
 using CooperativeEpilogue = cutlass::epilogue::TmaWarpSpecializedCooperative;
 
-// 64-row tiles, one warp group per tile. Short K (to kRowSumsMaxK) to kRowSumsMaxRows rows: the
-// main loop sums the rows (RowSumMainloop). One wave of tiles where the narrowest of 64×32, 64×64
-// and 64×128 that number at most the multiprocessors does (the non-persistent kernel, one tile
-// per block, no tile scheduler), else 64×128 tiles on two consumer warp groups taking turns
-// (ping-pong). H200, 2026-12-03 (kernels/NOTES.md, "Short K beyond 256 rows, long K back to the
-// reduction kernel"): SmolLM2-135M q|k|v at M = 256 5.55 µs on 120 tiles of 64×32 against 5.88 on
-// 60 of 64×64, at 512 6.1 against 7.9 on 128-row tiles; gate|up at 256 7.4 on 64×128 tiles
-// against 8.8 on ping-pong 64×64 ones, at 1024 14.1 against 17.7 on 128×128.
+// 64-row tiles, one warp group per tile, the row sums in the main loop (RowSumMainloop): one wave,
+// or two consumer warp groups taking turns (ping-pong).
 template <class Element, class TileShape>
 using RowSumOneWaveGemm = ScaledGemm<Element, TileShape, cutlass::gemm::KernelTmaWarpSpecialized,
     cutlass::epilogue::TmaWarpSpecialized, 1, true>;
 template <class Element>
 using RowSumPingPongGemm = ScaledGemm<Element, Shape<_64, _128, _64>, cutlass::gemm::KernelTmaWarpSpecializedPingpong,
     cutlass::epilogue::TmaWarpSpecialized, 1, true>;
-constexpr int64_t kRowSumsMaxK = 1024;
-constexpr int64_t kRowSumsMaxRows = 1024;
-// Longer K, to 256 rows: the same 64-row tiles with the reduction kernel in front, where the sums'
-// loads and squares in each K step of the main loop cost more than they save (H200: Llama-3.1-8B
-// q|k|v at M = 128 26.5 µs against 32.2, gate|up at 64 65.2 against 70.3); one wave of 64×64 tiles
-// (128-deep K steps on K ≥ 4096), else one wave of 64×128 tiles with the sums in the main loop
-// (twice the wgmma work per K step hides them: H200, 2026-12-03, Llama-3.2-1B gate|up at M = 64
-// 22.0 µs against 23.3 on ping-pong 64×64 tiles, q|k|v at 256 13.3 against 16.1, Llama-3.1-8B q|k|v
-// at 128 23.0 against 26.2), else ping-pong 64×64 tiles.
+// 64-row tiles, the reduction kernel in front: one wave, or ping-pong.
 template <class Element, class TileShape>
 using OneWaveGemm = ScaledGemm<Element, TileShape, cutlass::gemm::KernelTmaWarpSpecialized,
     cutlass::epilogue::TmaWarpSpecialized>;
 template <class Element>
 using SmallTileGemm = ScaledGemm<Element, Shape<_64, _64, _64>, cutlass::gemm::KernelTmaWarpSpecializedPingpong,
     cutlass::epilogue::TmaWarpSpecialized>;
-constexpr int64_t kSmallTileMaxRows = 256;
-constexpr int64_t kLongKOneWaveMinK = 4096;
-// Otherwise both consumer warp groups on one tile (cooperative), the reduction kernel in front:
-// 128×128 tiles, or 128×64 where 128×128 ones would leave multiprocessors idle; 128×256 tiles in
-// clusters of two along M where they fill the multiprocessors in waves at least 80 % full (on
-// short K in one wave only). Measured slower there on the H200 (kernels/NOTES.md): ping-pong
-// 64×128 / 64×256 tiles on long K or at 4096 rows. On long K, 128×128 tiles also in one wave at
-// least 70 % full (kLongKOneWaveFillPercent), ahead of ping-pong 64×64 or 128×64 tiles: H200,
-// 2026-12-03, Llama-3.1-8B q|k|v at 256 rows 25.9 µs on 96 tiles against 45 on ping-pong 64×64 ones,
-// at 160 rows 38.7 against 46.7; Llama-3.2-1B q|k|v at 512 rows 17.0 against 20.0 on 128×64 tiles.
-// 128-row cooperative tiles are slow on a partial last row block (Llama-3.1-8B q|k|v 128×128 at 160
-// rows 38.7-42.5 µs against 25.9 at 256; 128×64 at 96 rows 25.8 against 19.4 at 128:
-// kernels/NOTES.md); where 128×128 tiles fill 70 % of one wave, 64-row tiles exceed it.
+// 128-row tiles, both consumer warp groups on one (cooperative), the reduction kernel in front; the
+// 128×256 ones in clusters of two along M that share each W* tile.
 template <class Element>
 using NarrowTileGemm = ScaledGemm<Element, Shape<_128, _64, _64>, Cooperative, CooperativeEpilogue>;
 template <class Element>
 using LargeTileGemm = ScaledGemm<Element, Shape<_128, _128, _64>, Cooperative, CooperativeEpilogue>;
 template <class Element>
 using WideTileGemm = ScaledGemm<Element, Shape<_128, _256, _64>, Cooperative, CooperativeEpilogue, 2>;
-constexpr int64_t kWideTileMinK = 2048;
-constexpr int64_t kLongKOneWaveFillPercent = 70;
-
-int64_t tile_count(int64_t m, int64_t n, int64_t tile_m, int64_t tile_n)
-{
-    return ((m + tile_m - 1) / tile_m) * ((n + tile_n - 1) / tile_n);
-}
-
-// Whether `tiles` run in one wave that keeps at least kLongKOneWaveFillPercent % of the
-// multiprocessors busy.
-bool fills_one_wave(int64_t tiles, int sm_count)
-{
-    return tiles <= sm_count && 100 * tiles >= kLongKOneWaveFillPercent * sm_count;
-}
-
-// 128×256 tiles pay off where each tile's main loop is long and the last wave is not mostly idle:
-// on the H200 (2026-12-01 23:55 UTC, Nsight Compute) Llama-3.1-8B gate/up at M = 256, 1024, 4096
-// took 108.5 / 334.7 / 1312.9 µs against 115.5 / 413.1 / 1583.6 with 128×128 tiles, while
-// Llama-3.1-8B qkv at M = 1024 (192 wide tiles: the second wave 45 % full) took 105.2 against 91.8
-// and SmolLM2 gate/up at M = 4096 (K = 576, three waves) 46.2 against 44.4. On short K in one wave
-// they do pay off (2026-12-03 12:56 UTC): SmolLM2 q|k|v at M = 4096, 128 tiles, 15.0 µs against 16.6
-// on 128×128 tiles.
-bool wide_tiles_fit(int64_t m, int64_t k, int64_t n, int sm_count)
-{
-    int64_t const tiles = tile_count(m, n, 128, 256);
-    int64_t const waves = (tiles + sm_count - 1) / sm_count;
-    if (m <= 128 || 5 * tiles < 4 * waves * sm_count)
-    {
-        return false;
-    }
-    return k >= kWideTileMinK ? tiles >= sm_count : waves == 1;
-}
-
 // inv_rms[m] = rsqrt(mean(x[m,:]²) + eps). Lets the GEMM launched after it (PDL) start at once;
 // `delay_cycles` (test hook) holds the writes back after that.
 template <typename T>
@@ -772,49 +986,22 @@ cudaError_t launch_typed(void const* input, void const* weight, int64_t m, int64
     auto const launch = [&](auto gemm) {
         return launch_gemm<decltype(gemm)>(x, w, m, k, n, eps, inv_rms, splits, sm_count, delay_cycles, stream);
     };
-    if (k <= kRowSumsMaxK && m <= kRowSumsMaxRows)
+    switch (epilogue_scale_tiles(m, k, n, sm_count))
     {
-        if (tile_count(m, n, 64, 32) <= sm_count)
-        {
-            return launch(RowSumOneWaveGemm<Element, Shape<_64, _32, _64>>{});
-        }
-        if (tile_count(m, n, 64, 64) <= sm_count)
-        {
-            return launch(RowSumOneWaveGemm<Element, Shape<_64, _64, _64>>{});
-        }
-        if (tile_count(m, n, 64, 128) <= sm_count)
-        {
-            return launch(RowSumOneWaveGemm<Element, Shape<_64, _128, _64>>{});
-        }
-        return launch(RowSumPingPongGemm<Element>{});
+    case EpilogueScaleTiles::kRowSums64x32: return launch(RowSumOneWaveGemm<Element, Shape<_64, _32, _64>>{});
+    case EpilogueScaleTiles::kRowSums64x64: return launch(RowSumOneWaveGemm<Element, Shape<_64, _64, _64>>{});
+    case EpilogueScaleTiles::kRowSums64x128: return launch(RowSumOneWaveGemm<Element, Shape<_64, _128, _64>>{});
+    case EpilogueScaleTiles::kRowSumsPingPong64x128: return launch(RowSumPingPongGemm<Element>{});
+    case EpilogueScaleTiles::kOneWave64x64: return launch(OneWaveGemm<Element, Shape<_64, _64, _64>>{});
+    case EpilogueScaleTiles::kOneWave64x64DeepK: return launch(OneWaveGemm<Element, Shape<_64, _64, _128>>{});
+    case EpilogueScaleTiles::kPingPong64x64: return launch(SmallTileGemm<Element>{});
+    case EpilogueScaleTiles::kOneWave128x64:
+    case EpilogueScaleTiles::k128x64: return launch(NarrowTileGemm<Element>{});
+    case EpilogueScaleTiles::kOneWave128x128:
+    case EpilogueScaleTiles::k128x128: return launch(LargeTileGemm<Element>{});
+    case EpilogueScaleTiles::kClusters128x256: return launch(WideTileGemm<Element>{});
     }
-    if (wide_tiles_fit(m, k, n, sm_count))
-    {
-        return launch(WideTileGemm<Element>{});
-    }
-    bool const long_k = k > kRowSumsMaxK;
-    int64_t const large_tiles = tile_count(m, n, 128, 128);
-    if (m > 128 && (large_tiles >= sm_count || (long_k && fills_one_wave(large_tiles, sm_count))))
-    {
-        return launch(LargeTileGemm<Element>{});
-    }
-    if (m <= kSmallTileMaxRows)
-    {
-        if (tile_count(m, n, 64, 64) > sm_count)
-        {
-            if (tile_count(m, n, 64, 128) <= sm_count)
-            {
-                return launch(RowSumOneWaveGemm<Element, Shape<_64, _128, _64>>{});
-            }
-            return launch(SmallTileGemm<Element>{});
-        }
-        if (k >= kLongKOneWaveMinK)
-        {
-            return launch(OneWaveGemm<Element, Shape<_64, _64, _128>>{});
-        }
-        return launch(OneWaveGemm<Element, Shape<_64, _64, _64>>{});
-    }
-    return launch(NarrowTileGemm<Element>{});
+    return cudaErrorInvalidValue;
 }
 
 } // namespace

@@ -100,15 +100,69 @@ inline bool fused_tensor_core_shape(int64_t k, int64_t n)
 
 // The epilogue-scale strategy (kernels/epilogue_scale.cu): one CUTLASS sm90 GEMM that scales each
 // row by rsqrt(mean(x²)+eps) and TMA-stores each split straight into its output (splits starting
-// at multiples of kEpilogueScaleSubtileColumns, 16-byte aligned outputs: the checks below); the row
-// sums in its own main loop (K <= 1024 to 1024 rows; longer K to 256 rows where 64×64 tiles would
-// exceed one wave and 64×128 ones do not) or by a reduction kernel launched in front, which the GEMM
-// (programmatic dependent launch) overlaps and its epilogue waits for (griddepcontrol.wait).
+// at multiples of kEpilogueScaleSubtileColumns, 16-byte aligned outputs: the checks below), on the
+// tiles epilogue_scale_tiles picks; the row sums in its own main loop or by a reduction kernel
+// launched in front, which the GEMM (programmatic dependent launch) overlaps and its epilogue waits
+// for (griddepcontrol.wait).
 // fp16/bf16 only. `inv_rms` is m floats of workspace (the reduction kernel's output);
 // `delay_cycles` (test hook) holds the reduction's writes back after the GEMM has been let start.
 cudaError_t launch_epilogue_scale(flashnorm_dtype dtype, void const* x, void const* w, int64_t m, int64_t k,
     int64_t n, float eps, OutputSplits const& splits, float* inv_rms, int sm_count, int64_t delay_cycles,
     cudaStream_t stream);
+
+// The epilogue-scale GEMM's tile configurations: rows×columns of W* per tile; RowSums: the main
+// loop sums the rows, else the reduction kernel runs in front; OneWave: at most one tile per
+// multiprocessor; PingPong: two consumer warp groups taking turns on 64-row tiles; Clusters: two
+// tiles along M share each W* tile.
+enum class EpilogueScaleTiles
+{
+    kRowSums64x32,
+    kRowSums64x64,
+    kRowSums64x128,
+    kRowSumsPingPong64x128,
+    kOneWave64x64,
+    kOneWave64x64DeepK, // 128-deep K steps
+    kPingPong64x64,
+    kOneWave128x64,
+    k128x64,
+    kOneWave128x128,
+    k128x128,
+    kClusters128x256,
+};
+
+// The tiles the epilogue-scale GEMM runs for this shape on `sm_count` multiprocessors (pure host
+// arithmetic, in every build: AUTO reads it too).
+EpilogueScaleTiles epilogue_scale_tiles(int64_t m, int64_t k, int64_t n, int sm_count);
+
+// A configuration's tile (rows × columns of the output), whether the GEMM then runs at most one tile
+// per multiprocessor, and whether its main loop sums the rows.
+struct EpilogueScaleTileShape
+{
+    int64_t rows;
+    int64_t columns;
+    bool one_wave;
+    bool row_sums;
+};
+
+constexpr EpilogueScaleTileShape epilogue_scale_tile_shape(EpilogueScaleTiles tiles)
+{
+    switch (tiles)
+    {
+    case EpilogueScaleTiles::kRowSums64x32: return {64, 32, true, true};
+    case EpilogueScaleTiles::kRowSums64x64: return {64, 64, true, true};
+    case EpilogueScaleTiles::kRowSums64x128: return {64, 128, true, true};
+    case EpilogueScaleTiles::kRowSumsPingPong64x128: return {64, 128, false, true};
+    case EpilogueScaleTiles::kOneWave64x64:
+    case EpilogueScaleTiles::kOneWave64x64DeepK: return {64, 64, true, false};
+    case EpilogueScaleTiles::kPingPong64x64: return {64, 64, false, false};
+    case EpilogueScaleTiles::kOneWave128x64: return {128, 64, true, false};
+    case EpilogueScaleTiles::k128x64: return {128, 64, false, false};
+    case EpilogueScaleTiles::kOneWave128x128: return {128, 128, true, false};
+    case EpilogueScaleTiles::k128x128: return {128, 128, false, false};
+    case EpilogueScaleTiles::kClusters128x256: return {128, 256, false, false};
+    }
+    return {128, 128, false, false};
+}
 
 // Whether this build has the epilogue-scale GEMM (CUTLASS headers were found at configure time).
 bool epilogue_scale_built();

@@ -61,12 +61,14 @@ typedef enum flashnorm_strategy
                                           and outputs, on compute capability 9.0, in builds that found
                                           the CUTLASS headers; elsewhere FLASHNORM_STATUS_UNSUPPORTED.
                                           AUTO picks it in its measured region only (K <= 1024 at
-                                          64..1024 rows, to 4096 for several runs of splits, below
+                                          17..1024 rows, to 4096 for several runs of splits, below
                                           prenorm's region, which for one run of equal splits
                                           starts only past M·N = 2^20 there; at 64 rows with
-                                          K >= 2048, for one run where K·N < 2^26), never
-                                          for split edges off the 32-column grid, and runs two_stream
-                                          instead where the device or the pointers refuse it */
+                                          K >= 2048, for one run where K·N < 2^26; from 9 rows
+                                          where its tiles run in one wave at least 70 % full, see
+                                          capi.cpp), never for split edges off the 32-column grid,
+                                          and runs two_stream instead where the device or the
+                                          pointers refuse it */
 } flashnorm_strategy;
 
 typedef enum flashnorm_status
