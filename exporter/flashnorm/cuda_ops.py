@@ -374,6 +374,12 @@ library_op.register_fake(_op_shapes)
 # "The residual add beyond 8 rows").
 _ADD_ONE_GROUP_ROWS = 8
 _ADD_TWO_GROUP_MAX_WEIGHT = 1 << 20
+# Up to the fused kernel's 16 rows AUTO picks the epilogue-scale GEMM only where that measured
+# faster than the fused kernel, and there it also beat torch.compile's norm kernel + cuBLAS (H200,
+# bf16, 16 rows: SmolLM2-135M gate|up 4.92 against 5.97 µs, Llama-3.2-1B gate|up 20.3 against 21.4,
+# Llama-3.1-8B q|k|v 16.5 against 18.7; docs/BENCHMARKS.md, 2026-12-03 18:21 UTC): Inductor keeps
+# that library call too.
+_LIBRARY_EPILOGUE_SCALE_MAX_ROWS = 16
 
 
 def _keeps_library_call(
@@ -386,7 +392,10 @@ def _keeps_library_call(
     rows = x.numel() // x.shape[-1]
     if rows == 0:
         return True
-    if resolve_strategy(rows, x.shape[-1], w.shape[1], x.dtype, splits) != "fused":
+    picked = resolve_strategy(rows, x.shape[-1], w.shape[1], x.dtype, splits)
+    if picked == "epilogue_scale" and rows <= _LIBRARY_EPILOGUE_SCALE_MAX_ROWS:
+        return not residual_add or x.shape[-1] * w.shape[1] <= _ADD_TWO_GROUP_MAX_WEIGHT
+    if picked != "fused":
         return False
     if not residual_add or rows <= _ADD_ONE_GROUP_ROWS:
         return True
@@ -395,13 +404,14 @@ def _keeps_library_call(
 
 def inductor_form(x: torch.Tensor, w: torch.Tensor, eps: float, splits: list[int], strategy: str) -> list[torch.Tensor]:
     """What Inductor compiles ``torch.ops.flashnorm.matmul`` to: the library call
-    (``flashnorm::library_matmul``) where AUTO picks the fused kernel, where the strategy is forced,
-    on the CPU, or where the shape is not known at compile time; elsewhere ``prenorm_form``.
+    (``flashnorm::library_matmul``) where AUTO picks the fused kernel (or, up to its 16 rows, the
+    epilogue-scale GEMM), where the strategy is forced, on the CPU, or where the shape is not known
+    at compile time; elsewhere ``prenorm_form``.
 
     Why: beyond the fused kernel's rows the library's strategies (two_stream, prenorm, and the
-    epilogue-scale GEMM so far) lose to what Inductor makes of the prenorm arithmetic, the norm
-    fused into the kernel that produces x and the GEMM on cuBLAS (docs/BENCHMARKS.md, "End-to-end
-    decode step" and the kernel tables)."""
+    epilogue-scale GEMM as measured end to end so far) lose to what Inductor makes of the prenorm
+    arithmetic, the norm fused into the kernel that produces x and the GEMM on cuBLAS
+    (docs/BENCHMARKS.md, "End-to-end decode step" and the kernel tables)."""
     if _keeps_library_call(x, w, splits, strategy):
         return torch.ops.flashnorm.library_matmul(x, w, eps, splits, strategy)
     return prenorm_form(x, w, eps, splits)

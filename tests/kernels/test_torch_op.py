@@ -91,11 +91,21 @@ def _picks_fused_up_to_16_rows(m, k, n, dtype=torch.bfloat16, splits=None):
     return "fused" if m <= 16 else "two_stream"
 
 
-@pytest.mark.parametrize("rows, decomposed", [(8, False), (16, False), (17, True), (512, True)])
-def test_inductor_form_keeps_the_library_call_only_where_auto_picks_fused(monkeypatch, rows, decomposed):
-    """Under Inductor, "auto" stays one library call where AUTO picks the fused kernel, and is
-    otherwise x̂ = x ⊙ rsqrt(mean(x²)+eps) (rounded) then x̂·W*, one contiguous output per split."""
-    monkeypatch.setattr(cuda_ops, "resolve_strategy", _picks_fused_up_to_16_rows)
+def _picks_epilogue_scale_from_9_rows(m, k, n, dtype=torch.bfloat16, splits=None):
+    return "fused" if m <= 8 else "epilogue_scale"
+
+
+@pytest.mark.parametrize(
+    "picks, rows, decomposed",
+    [(_picks_fused_up_to_16_rows, 8, False), (_picks_fused_up_to_16_rows, 16, False), (_picks_fused_up_to_16_rows, 17, True),
+     (_picks_fused_up_to_16_rows, 512, True), (_picks_epilogue_scale_from_9_rows, 9, False),
+     (_picks_epilogue_scale_from_9_rows, 16, False), (_picks_epilogue_scale_from_9_rows, 17, True)],
+)
+def test_inductor_form_keeps_the_library_call_only_where_auto_picks_fused(monkeypatch, picks, rows, decomposed):
+    """Under Inductor, "auto" stays one library call where AUTO picks the fused kernel or, up to the
+    fused kernel's 16 rows, the epilogue-scale GEMM, and is otherwise x̂ = x ⊙ rsqrt(mean(x²)+eps)
+    (rounded) then x̂·W*, one contiguous output per split."""
+    monkeypatch.setattr(cuda_ops, "resolve_strategy", picks)
     with FakeTensorMode():
         on_gpu = torch.empty(rows, 64, dtype=torch.bfloat16, device="meta"), torch.empty(64, 96, dtype=torch.bfloat16, device="meta")
         on_cpu = torch.empty(rows, 64, dtype=torch.bfloat16), torch.empty(64, 96, dtype=torch.bfloat16)
@@ -161,9 +171,11 @@ def test_cpu_add_op_is_the_add_then_the_op():
     [(8, 64, 96, False), (16, 64, 96, False), (17, 64, 96, True), (8, 2048, 3072, False), (9, 2048, 3072, True),
      (16, 576, 960, False), (16, 576, 3072, True)],
 )
-def test_add_inductor_form_keeps_the_library_call_where_the_fused_add_wins(monkeypatch, rows, k, n, decomposed):
-    """Where AUTO picks fused: up to 8 rows, and up to 16 on a small W* only (the measured rule)."""
-    monkeypatch.setattr(cuda_ops, "resolve_strategy", _picks_fused_up_to_16_rows)
+@pytest.mark.parametrize("picks", [_picks_fused_up_to_16_rows, _picks_epilogue_scale_from_9_rows])
+def test_add_inductor_form_keeps_the_library_call_where_the_fused_add_wins(monkeypatch, picks, rows, k, n, decomposed):
+    """Where AUTO picks fused (or, from 9 to 16 rows, epilogue-scale): up to 8 rows, and up to 16 on
+    a small W* only (the measured rule for the fused kernel's add)."""
+    monkeypatch.setattr(cuda_ops, "resolve_strategy", picks)
     with FakeTensorMode():
         x = torch.empty(rows, k, dtype=torch.bfloat16, device="meta")
         w = torch.empty(k, n, dtype=torch.bfloat16, device="meta")
