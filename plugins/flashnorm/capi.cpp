@@ -206,13 +206,12 @@ bool epilogue_scale_one_wave_taken(flashnorm_problem const& problem)
     int const multiprocessors = kAuto.epilogue_scale_multiprocessors;
     flashnorm::EpilogueScaleTileShape const tile = flashnorm::epilogue_scale_tile_shape(
         flashnorm::epilogue_scale_tiles(problem.m, problem.k, problem.n, multiprocessors));
-    int64_t const row_blocks = (problem.m + tile.rows - 1) / tile.rows;
-    int64_t const tiles = row_blocks * ((problem.n + tile.columns - 1) / tile.columns);
+    int64_t const tiles = flashnorm::tile_count(problem.m, problem.n, tile.rows, tile.columns);
     if (!tile.one_wave || 100 * tiles < kAuto.epilogue_scale_one_wave_fill_percent * multiprocessors)
         return false;
     if (tile.row_sums && problem.k > kAuto.epilogue_scale_max_k)
-        return row_blocks == 1;
-    int64_t const last_block_rows = problem.m - (row_blocks - 1) * tile.rows;
+        return problem.m <= tile.rows;
+    int64_t const last_block_rows = (problem.m - 1) % tile.rows + 1;
     return tile.rows < 128 || 16 * last_block_rows >= kAuto.epilogue_scale_last_block_sixteenths * tile.rows;
 }
 

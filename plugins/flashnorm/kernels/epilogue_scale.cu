@@ -47,11 +47,6 @@ constexpr int64_t kWideTileMinK = 2048;
 // On long K, one wave of 128-row tiles that fills at least this share of the multiprocessors.
 constexpr int64_t kLongKOneWaveFillPercent = 70;
 
-int64_t tile_count(int64_t m, int64_t n, int64_t tile_m, int64_t tile_n)
-{
-    return ((m + tile_m - 1) / tile_m) * ((n + tile_n - 1) / tile_n);
-}
-
 // Whether `tiles` run in one wave that keeps at least kLongKOneWaveFillPercent % of the
 // multiprocessors busy.
 bool fills_one_wave(int64_t tiles, int sm_count)

@@ -134,6 +134,12 @@ enum class EpilogueScaleTiles
 // arithmetic, in every build: AUTO reads it too).
 EpilogueScaleTiles epilogue_scale_tiles(int64_t m, int64_t k, int64_t n, int sm_count);
 
+// Tiles of tile_m × tile_n that cover an m × n output.
+inline int64_t tile_count(int64_t m, int64_t n, int64_t tile_m, int64_t tile_n)
+{
+    return ((m + tile_m - 1) / tile_m) * ((n + tile_n - 1) / tile_n);
+}
+
 // A configuration's tile (rows × columns of the output), whether the GEMM then runs at most one tile
 // per multiprocessor, and whether its main loop sums the rows.
 struct EpilogueScaleTileShape
