@@ -393,9 +393,7 @@ def _keeps_library_call(
     if rows == 0:
         return True
     picked = resolve_strategy(rows, x.shape[-1], w.shape[1], x.dtype, splits)
-    if picked == "epilogue_scale" and rows <= _LIBRARY_EPILOGUE_SCALE_MAX_ROWS:
-        return not residual_add or x.shape[-1] * w.shape[1] <= _ADD_TWO_GROUP_MAX_WEIGHT
-    if picked != "fused":
+    if picked != "fused" and not (picked == "epilogue_scale" and rows <= _LIBRARY_EPILOGUE_SCALE_MAX_ROWS):
         return False
     if not residual_add or rows <= _ADD_ONE_GROUP_ROWS:
         return True

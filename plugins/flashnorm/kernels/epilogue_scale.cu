@@ -118,18 +118,22 @@ EpilogueScaleTiles epilogue_scale_tiles(int64_t m, int64_t k, int64_t n, int sm_
     {
         return EpilogueScaleTiles::kClusters128x256;
     }
-    bool const long_k = k > kRowSumsMaxK;
-    if (m > 128 && long_k && fills_one_wave(tile_count(m, n, 128, 128), sm_count))
+    if (m > 128)
     {
-        return EpilogueScaleTiles::kOneWave128x128;
-    }
-    if (m > 128 && tile_count(m, n, 128, 128) >= sm_count)
-    {
-        return EpilogueScaleTiles::k128x128;
-    }
-    if (m > 128 && long_k && fills_one_wave(tile_count(m, n, 128, 64), sm_count))
-    {
-        return EpilogueScaleTiles::kOneWave128x64;
+        bool const long_k = k > kRowSumsMaxK;
+        int64_t const large_tiles = tile_count(m, n, 128, 128);
+        if (long_k && fills_one_wave(large_tiles, sm_count))
+        {
+            return EpilogueScaleTiles::kOneWave128x128;
+        }
+        if (large_tiles >= sm_count)
+        {
+            return EpilogueScaleTiles::k128x128;
+        }
+        if (long_k && fills_one_wave(tile_count(m, n, 128, 64), sm_count))
+        {
+            return EpilogueScaleTiles::kOneWave128x64;
+        }
     }
     if (m <= kSmallTileMaxRows)
     {
