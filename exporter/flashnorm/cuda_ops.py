@@ -119,6 +119,10 @@ def _load() -> ctypes.CDLL:
         lib.flashnorm_testing_set_side_delay.restype = None
         lib.flashnorm_testing_set_fused_tuning.argtypes = [ctypes.c_void_p, ctypes.c_int32, ctypes.c_int32]
         lib.flashnorm_testing_set_fused_tuning.restype = ctypes.c_int
+        lib.flashnorm_testing_set_epilogue_scale_tiles.argtypes = [ctypes.c_void_p, ctypes.c_int32]
+        lib.flashnorm_testing_set_epilogue_scale_tiles.restype = ctypes.c_int
+        lib.flashnorm_testing_epilogue_scale_tiles_name.argtypes = [ctypes.c_int32]
+        lib.flashnorm_testing_epilogue_scale_tiles_name.restype = ctypes.c_char_p
         lib.flashnorm_strategy_available.argtypes = [ctypes.c_void_p, ctypes.c_int]
         lib.flashnorm_strategy_available.restype = ctypes.c_int
         lib.flashnorm_testing_join_dropped.argtypes = []
@@ -503,6 +507,30 @@ def set_fused_tuning(strip_cols: int = 0, cluster_size: int = 0, device: torch.d
     lib = _load()
     context = _context(_cuda_device(device))
     status = lib.flashnorm_testing_set_fused_tuning(context, int(strip_cols), int(cluster_size))
+    if status != 0:
+        raise FlashNormError(lib.flashnorm_context_last_error(context).decode())
+
+
+def epilogue_scale_tile_names() -> list[str]:
+    """The epilogue-scale GEMM's tile configurations, as the library names them (every build lists
+    them; only builds with the CUTLASS kernel run them)."""
+    lib = _load()
+    names = []
+    while (name := lib.flashnorm_testing_epilogue_scale_tiles_name(len(names))) is not None:
+        names.append(name.decode())
+    return names
+
+
+def set_epilogue_scale_tiles(name: str | None = None, device: torch.device | int | None = None) -> None:
+    """Tuning hook: forces the epilogue-scale GEMM's tile configuration (a name from
+    `epilogue_scale_tile_names`) on this thread's context; None restores the automatic choice.
+    AUTO's choice of strategy does not change."""
+    names = epilogue_scale_tile_names()
+    if name is not None and name not in names:
+        raise FlashNormError(f"epilogue-scale tiles {name!r} are unknown; known: {names}")
+    lib = _load()
+    context = _context(_cuda_device(device))
+    status = lib.flashnorm_testing_set_epilogue_scale_tiles(context, 0 if name is None else 1 + names.index(name))
     if status != 0:
         raise FlashNormError(lib.flashnorm_context_last_error(context).decode())
 

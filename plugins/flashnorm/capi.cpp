@@ -52,11 +52,15 @@ struct AutoTable
     // wave at least epilogue_scale_one_wave_fill_percent % full, except 64-row tiles that sum the
     // rows in the main loop on K past epilogue_scale_max_k beyond one row block, and 128-row tiles
     // whose last row block is less than epilogue_scale_last_block_sixteenths / 16 full (there
-    // two_stream's cuBLAS tiles measured faster); its tiles as the kernel library picks them on
-    // epilogue_scale_multiprocessors, the H200's.
+    // two_stream's cuBLAS tiles measured faster); 128×192 tiles at least
+    // epilogue_scale_192_column_fill_percent % full with a last row block at least
+    // epilogue_scale_192_column_last_block_sixteenths / 16 full; its tiles as the kernel library
+    // picks them on epilogue_scale_multiprocessors, the H200's.
     int64_t epilogue_scale_one_wave_min_rows;
     int64_t epilogue_scale_one_wave_fill_percent;
     int64_t epilogue_scale_last_block_sixteenths;
+    int64_t epilogue_scale_192_column_fill_percent;
+    int64_t epilogue_scale_192_column_last_block_sixteenths;
     int epilogue_scale_multiprocessors;
 };
 
@@ -80,6 +84,8 @@ constexpr AutoTable kAuto{
     /*epilogue_scale_one_wave_min_rows=*/9,
     /*epilogue_scale_one_wave_fill_percent=*/70,
     /*epilogue_scale_last_block_sixteenths=*/9,
+    /*epilogue_scale_192_column_fill_percent=*/80,
+    /*epilogue_scale_192_column_last_block_sixteenths=*/12,
     /*epilogue_scale_multiprocessors=*/132,
 };
 
@@ -200,19 +206,26 @@ int64_t prenorm_min_rows(flashnorm_problem const& problem)
 // Whether the epilogue-scale GEMM's tiles for this problem (on the H200's multiprocessors) run in
 // one wave that AUTO takes: at least epilogue_scale_one_wave_fill_percent % full, 64-row tiles
 // summing the rows in the main loop on long K in one row block only, 128-row tiles with a last row
-// block at least epilogue_scale_last_block_sixteenths / 16 full.
+// block at least epilogue_scale_last_block_sixteenths / 16 full; 128×192 tiles by their own two
+// entries (their one wave at 73 % and a last row block of 72 rows measured slower than two_stream
+// on K = 4096).
 bool epilogue_scale_one_wave_taken(flashnorm_problem const& problem)
 {
     int const multiprocessors = kAuto.epilogue_scale_multiprocessors;
     flashnorm::EpilogueScaleTileShape const tile = flashnorm::epilogue_scale_tile_shape(
         flashnorm::epilogue_scale_tiles(problem.m, problem.k, problem.n, multiprocessors));
     int64_t const tiles = flashnorm::tile_count(problem.m, problem.n, tile.rows, tile.columns);
-    if (!tile.one_wave || 100 * tiles < kAuto.epilogue_scale_one_wave_fill_percent * multiprocessors)
+    bool const wide = tile.columns == 192;
+    int64_t const fill_percent
+        = wide ? kAuto.epilogue_scale_192_column_fill_percent : kAuto.epilogue_scale_one_wave_fill_percent;
+    int64_t const last_block_sixteenths
+        = wide ? kAuto.epilogue_scale_192_column_last_block_sixteenths : kAuto.epilogue_scale_last_block_sixteenths;
+    if (!tile.one_wave || 100 * tiles < fill_percent * multiprocessors)
         return false;
     if (tile.row_sums && problem.k > kAuto.epilogue_scale_max_k)
         return problem.m <= tile.rows;
     int64_t const last_block_rows = (problem.m - 1) % tile.rows + 1;
-    return tile.rows < 128 || 16 * last_block_rows >= kAuto.epilogue_scale_last_block_sixteenths * tile.rows;
+    return tile.rows < 128 || 16 * last_block_rows >= last_block_sixteenths * tile.rows;
 }
 
 // AUTO's epilogue-scale region. Whether the device and the pointers allow it is known only at
@@ -355,7 +368,7 @@ flashnorm_status enqueue(flashnorm_context* context, flashnorm_problem const* pr
         FLASHNORM_CHECK(context,
             flashnorm::launch_epilogue_scale(problem->dtype, input, w, problem->m, problem->k, problem->n,
                 problem->eps, splits, static_cast<float*>(workspace), context->sm_count, context->side_delay_cycles,
-                stream));
+                context->epilogue_scale_tiles, stream));
         return FLASHNORM_STATUS_OK;
     }
     return flashnorm::run_two_stream(context, *problem, input, w, splits, workspace, stream);
@@ -486,6 +499,29 @@ flashnorm_status flashnorm_testing_set_fused_tuning(
             "tuning");
     context->fused_tuning = tuning;
     return FLASHNORM_STATUS_OK;
+}
+
+flashnorm_status flashnorm_testing_set_epilogue_scale_tiles(flashnorm_context* context, int32_t tiles)
+{
+    if (context == nullptr)
+        return FLASHNORM_STATUS_INVALID_ARGUMENT;
+    if (tiles < 0 || tiles > flashnorm::kEpilogueScaleTileConfigurations)
+        return flashnorm::record_error(context, FLASHNORM_STATUS_INVALID_ARGUMENT,
+            "flashnorm_testing_set_epilogue_scale_tiles",
+            "tiles must be 0 (automatic) or 1 + the index of a configuration "
+            "(flashnorm_testing_epilogue_scale_tiles_name)",
+            "tiles");
+    context->epilogue_scale_tiles = tiles == 0
+        ? std::nullopt
+        : std::optional<flashnorm::EpilogueScaleTiles>(static_cast<flashnorm::EpilogueScaleTiles>(tiles - 1));
+    return FLASHNORM_STATUS_OK;
+}
+
+char const* flashnorm_testing_epilogue_scale_tiles_name(int32_t index)
+{
+    if (index < 0 || index >= flashnorm::kEpilogueScaleTileConfigurations)
+        return nullptr;
+    return flashnorm::epilogue_scale_tiles_name(static_cast<flashnorm::EpilogueScaleTiles>(index));
 }
 
 int flashnorm_strategy_available(flashnorm_context const* context, flashnorm_strategy strategy)

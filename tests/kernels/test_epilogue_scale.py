@@ -115,6 +115,40 @@ def test_partial_last_row_block_loaded_by_atoms(m, k, splits, dtype, rng):
     assert all(buffer[m:].isnan().all() for buffer in padded), "rows past M were written"
 
 
+# (M, K, splits) for every forced tile configuration: a row tail inside a swizzle atom and one past
+# a whole 128-row block, split edges inside 64-, 96-, 128- and 192-column tiles, last splits
+# narrower than the store box, and K tails on short and long K.
+FORCED_TILE_SHAPES = [
+    (3, 576, [576, 192, 192]),
+    (77, 200, [32, 64, 96, 8]),
+    (300, 1000, [352, 648]),
+    (133, 2056, [1056, 512, 488]),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_every_forced_tile_configuration_matches_reference(dtype, rng):
+    """Each tile configuration, forced (cuda_ops.set_epilogue_scale_tiles), computes every shape:
+    the dispatch may pick any of them for any problem the strategy takes, and tuning runs time
+    them all. Rows past M stay unwritten (NaN poison of padded buffers)."""
+    cuda_ops = cuda_ops_module()
+    _require_epilogue_scale(cuda_ops)
+    generator = generator_from(rng)
+    try:
+        for name in cuda_ops.epilogue_scale_tile_names():
+            cuda_ops.set_epilogue_scale_tiles(name)
+            for m, k, splits in FORCED_TILE_SHAPES:
+                x, w = random_inputs(generator, m, k, sum(splits), dtype)
+                padded = [torch.full((m + 8, size), float("nan"), dtype=dtype, device="cuda") for size in splits]
+                outputs = [buffer[:m] for buffer in padded]
+                cuda_ops.flashnorm_matmul(x, w, 1e-5, splits=splits, strategy="epilogue_scale", out=outputs)
+                _assert_matches(outputs, x, w, 1e-5, splits, f"{name} m={m} k={k} splits={splits} {dtype}")
+                assert all(buffer[m:].isnan().all() for buffer in padded), f"{name}: rows past M were written"
+    finally:
+        cuda_ops.set_epilogue_scale_tiles(None)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("m", [64, 300])
@@ -161,7 +195,8 @@ def test_auto_region_and_its_fallback_on_unaligned_x(dtype, rng):
         (512, 576, [576, 192, 192]), (64, 576, [1536, 1536]), (64, 4096, [4096, 1024, 1024]), (64, 2048, [8192, 8192]),
         (64, 2048, [2048, 512, 512]), (300, 576, [1536, 1536]), (3000, 576, [576, 192, 192]),
         (24, 576, [576, 192, 192]), (9, 576, [1536, 1536]), (16, 4096, [4096, 1024, 1024]),
-        (200, 2048, [2048, 512, 512]), (250, 4096, [4096, 1024, 1024]),
+        (200, 2048, [2048, 512, 512]), (250, 4096, [4096, 1024, 1024]), (1000, 2048, [2048, 512, 512]),
+        (500, 4096, [4096, 1024, 1024]),
     )
     for m, k, splits in cases:
         assert cuda_ops.resolve_strategy(m, k, sum(splits), dtype, splits) == "epilogue_scale"

@@ -29,6 +29,10 @@ ABI = [
     "flashnorm_status_string",
     "flashnorm_context_last_error",
     "flashnorm_testing_set_side_delay",
+    "flashnorm_testing_set_fused_tuning",
+    "flashnorm_testing_set_epilogue_scale_tiles",
+    "flashnorm_testing_epilogue_scale_tiles_name",
+    "flashnorm_strategy_available",
     "flashnorm_testing_join_dropped",
 ]
 
@@ -108,6 +112,22 @@ def test_loads_and_answers_without_a_gpu(built_library):
         assert not context.value
 
 
+def test_epilogue_scale_tile_names_listed_in_every_build(built_library, monkeypatch):
+    """The tuning hook's configurations come from the library (one list, in the C++ enum's order),
+    with or without the CUTLASS kernel: distinct names, NULL past the last."""
+    from flashnorm import cuda_ops
+    from flashnorm.errors import FlashNormError
+
+    monkeypatch.setenv("FLASHNORM_LIBRARY", str(built_library))
+    monkeypatch.setattr(cuda_ops, "_library", None)
+    names = cuda_ops.epilogue_scale_tile_names()
+    assert len(names) == len(set(names)) == 14, names
+    assert {"row_sums_64x32", "one_wave_128x192", "128x192", "clusters_128x256"} <= set(names)
+    assert all(name for name in names)
+    with pytest.raises(FlashNormError, match="'64x48' are unknown"):
+        cuda_ops.set_epilogue_scale_tiles("64x48")
+
+
 def test_auto_strategy_through_the_python_binding(built_library, epilogue_scale_built, monkeypatch):
     """AUTO's measured thresholds (kAuto in capi.cpp), asked through flashnorm.cuda_ops: no GPU needed.
     Where a build with the CUTLASS kernel runs epilogue-scale instead (its rows are
@@ -172,7 +192,7 @@ def test_auto_epilogue_scale_region(built_library, epilogue_scale_built, monkeyp
     4096 rows ahead of prenorm's region, which then starts at 4097 at the earliest); with K >= 2048
     at exactly 64 rows where the splits form several runs or one run with K·N < 2^26, a large-weight
     prenorm region then starting at 65 rows; and from 9 rows wherever its tiles run in one wave at
-    least 70 % full of the H200's 132 multiprocessors, except 64-row tiles summing the rows in the
+    least 70 % full of the H200's 132 multiprocessors (128×192 tiles 80 %), except 64-row tiles summing the rows in the
     main loop on long K beyond one row block and 128-row tiles whose last row block is less than
     9/16 full. Built without, fused, two_stream, or prenorm from 64 rows on a one-run W* of
     K·N >= 2^25. Either way AUTO reserves two_stream's workspace there: the call falls back to
@@ -209,19 +229,25 @@ def test_auto_epilogue_scale_region(built_library, epilogue_scale_built, monkeyp
     assert cuda_ops.resolve_strategy(512, 576, 964, torch.bfloat16, [576, 192, 196]) == "two_stream"
     # Llama-3.1-8B's q|k|v: one wave of 96 tiles of 64×64 from 9 to 64 rows; 64×128 tiles with the
     # sums in the main loop over two row blocks from 65 (not taken); one wave of 96 128×128 tiles
-    # from 129 rows, taken from 200 (a last row block of 72 rows); past one wave from 257.
+    # from 129 rows, taken from 200 (a last row block of 72 rows); one wave of 96 128×192 tiles from
+    # 257 (73 %: not taken) and of 128 from 385, taken from 480 (a last row block of 96 rows); past
+    # one wave from 513.
     qkv_8b = [4096, 1024, 1024]
     check(4096, qkv_8b, ((8, "fused"), (9, es or "fused"), (16, es or "fused"), (17, region), (64, region),
                          (65, "two_stream"), (128, "two_stream"), (199, "two_stream"), (200, region), (256, region),
-                         (257, "two_stream"), (639, "two_stream"), (640, "prenorm")))
+                         (257, "two_stream"), (384, "two_stream"), (479, "two_stream"), (480, region), (512, region),
+                         (513, "two_stream"), (639, "two_stream"), (640, "prenorm")))
     # Llama-3.2-1B's q|k|v: 48 tiles of 64×64 up to 64 rows (exactly 64 taken), 96 from 65 to 128;
     # one wave of 96 128×64 tiles from 129 to 256 rows, of 96 and 120 128×128 tiles from 385 to 640,
-    # each taken from a last row block of 72 rows.
+    # each taken from a last row block of 72 rows, and of 96, 112 and 128 128×192 tiles from 641 to
+    # 1024 (the 96, 73 % of the multiprocessors, not taken), from a last row block of 96 rows.
     qkv_1b = [2048, 512, 512]
     check(2048, qkv_1b, ((16, "fused"), (17, "two_stream"), (63, "two_stream"), (64, region), (65, region),
                          (128, region), (129, "two_stream"), (199, "two_stream"), (200, region), (256, region),
                          (257, "two_stream"), (455, "two_stream"), (456, region), (512, region), (513, "two_stream"),
-                         (583, "two_stream"), (584, region), (640, region), (641, "two_stream")))
+                         (583, "two_stream"), (584, region), (640, region), (641, "two_stream"), (768, "two_stream"),
+                         (863, "two_stream"), (864, region), (896, region), (897, "two_stream"), (991, "two_stream"),
+                         (992, region), (1024, region), (1025, "two_stream"), (1280, "prenorm")))
     assert cuda_ops.resolve_strategy(64, 2040, 3072, torch.bfloat16, qkv_1b) == "two_stream"
     assert cuda_ops.resolve_strategy(64, 4096, 6144, torch.float32, qkv_8b) == "two_stream"
     assert cuda_ops.resolve_strategy(64, 4096, 28672, torch.bfloat16, [14336, 14336]) == "prenorm"
@@ -233,16 +259,18 @@ def test_auto_epilogue_scale_region(built_library, epilogue_scale_built, monkeyp
                              (64, es or "prenorm"), (65, "prenorm"), (128, "prenorm")))
     assert cuda_ops.resolve_strategy(64, 2048, 16384, torch.float32, gate_up_1b) == "two_stream"
     assert cuda_ops.resolve_strategy(64, 2040, 16384, torch.bfloat16, gate_up_1b) == region
-    # One run below 2^25, K >= 2048: 64 rows, then two_stream up to prenorm's 256 rows; Llama-3.1-8B's
-    # q|k|v as one output also in one wave of 64×64 tiles from 9 rows and of 128×128 tiles from 200.
-    check(2048, [5504, 5504], ((17, "two_stream"), (64, region), (65, "two_stream"), (255, "two_stream"), (256, "prenorm")))
+    # One run below 2^25, K >= 2048: 64 rows, then two_stream up to prenorm's 256 rows (from 224 one
+    # wave of 116 128×192 tiles, 88 %, a last row block of 96 rows); Llama-3.1-8B's q|k|v as one
+    # output also in one wave of 64×64 tiles from 9 rows and of 128×128 tiles from 200.
+    check(2048, [5504, 5504], ((17, "two_stream"), (64, region), (65, "two_stream"), (223, "two_stream"),
+                               (224, region), (255, region), (256, "prenorm")))
     check(4096, [6144], ((9, es or "fused"), (64, region), (65, "two_stream"), (199, "two_stream"), (200, region),
                          (255, region), (256, "prenorm")))
     reserved = [(64, 576, qkv), (1000, 576, qkv), (1024, 576, qkv), (4096, 576, qkv), (64, 576, gate_up), (64, 4096, qkv_8b),
                 (64, 2048, qkv_1b), (prenorm_from - 1, 576, gate_up)]
     if epilogue_scale_built:  # without the kernel these rows are fused's or prenorm's
         reserved += [(64, 2048, gate_up_1b), (1024, 576, [960]), (9, 576, gate_up), (16, 4096, qkv_8b),
-                     (200, 2048, qkv_1b), (640, 2048, qkv_1b)]
+                     (200, 2048, qkv_1b), (640, 2048, qkv_1b), (1024, 2048, qkv_1b), (512, 4096, qkv_8b)]
     for m, k, splits in reserved:
         two_stream = cuda_ops.workspace_size(m, k, splits, torch.bfloat16, "two_stream")
         assert cuda_ops.workspace_size(m, k, splits, torch.bfloat16) >= two_stream, (m, k)

@@ -54,6 +54,15 @@ bool fills_one_wave(int64_t tiles, int sm_count)
     return tiles <= sm_count && 100 * tiles >= kLongKOneWaveFillPercent * sm_count;
 }
 
+// Whether `tiles` leave the multiprocessors of their waves at least as busy as `other_tiles` do
+// theirs (tiles / (waves · sm_count), compared without division).
+bool fills_waves_as_well(int64_t tiles, int64_t other_tiles, int sm_count)
+{
+    int64_t const waves = (tiles + sm_count - 1) / sm_count;
+    int64_t const other_waves = (other_tiles + sm_count - 1) / sm_count;
+    return tiles * other_waves >= other_tiles * waves;
+}
+
 // 128×256 tiles pay off where each tile's main loop is long and the last wave is not mostly idle:
 // on the H200 (2026-12-01 23:55 UTC, Nsight Compute) Llama-3.1-8B gate/up at M = 256, 1024, 4096
 // took 108.5 / 334.7 / 1312.9 µs against 115.5 / 413.1 / 1583.6 with 128×128 tiles, while
@@ -96,6 +105,12 @@ bool wide_tiles_fit(int64_t m, int64_t k, int64_t n, int sm_count)
 //   ping-pong 64×64 ones, at 160 rows 25.8 (a partial last row block: PartialRowBlockMainloop)
 //   against 46.7; Llama-3.2-1B q|k|v at 512 rows 17.0 against 20.0 on 128×64 tiles, at 256 rows
 //   11.5 on 96 tiles of 128×64 against 12.1 on 64×128 tiles with the sums in the main loop.
+// - On long K where 128×128 tiles do not fill one wave that way, 128×192 tiles wherever their waves
+//   are at least as full: 2026-12-04 (benchmarks/epilogue_scale_tiles.py), Llama-3.2-1B q|k|v at
+//   1024 rows 22.9 µs on 128 tiles against 29.0 on two waves of 128×128 ones (the second 45 % full),
+//   at 768 21.8 against 28.6, at 2048 41.0 against 45.1; Llama-3.1-8B q|k|v at 1024 74.2 against
+//   93.2. Not on short K: SmolLM2-135M gate|up at 1024 rows 12.6 against 12.3 on ping-pong 64×128
+//   tiles that sum the rows in the main loop.
 EpilogueScaleTiles epilogue_scale_tiles(int64_t m, int64_t k, int64_t n, int sm_count)
 {
     if (k <= kRowSumsMaxK && m <= kRowSumsMaxRows)
@@ -126,6 +141,11 @@ EpilogueScaleTiles epilogue_scale_tiles(int64_t m, int64_t k, int64_t n, int sm_
         {
             return EpilogueScaleTiles::kOneWave128x128;
         }
+        int64_t const tall_wide_tiles = tile_count(m, n, 128, 192);
+        if (long_k && fills_waves_as_well(tall_wide_tiles, large_tiles, sm_count))
+        {
+            return tall_wide_tiles <= sm_count ? EpilogueScaleTiles::kOneWave128x192 : EpilogueScaleTiles::k128x192;
+        }
         if (large_tiles >= sm_count)
         {
             return EpilogueScaleTiles::k128x128;
@@ -145,6 +165,28 @@ EpilogueScaleTiles epilogue_scale_tiles(int64_t m, int64_t k, int64_t n, int sm_
                                                      : EpilogueScaleTiles::kPingPong64x64;
     }
     return EpilogueScaleTiles::k128x64;
+}
+
+char const* epilogue_scale_tiles_name(EpilogueScaleTiles tiles)
+{
+    switch (tiles)
+    {
+    case EpilogueScaleTiles::kRowSums64x32: return "row_sums_64x32";
+    case EpilogueScaleTiles::kRowSums64x64: return "row_sums_64x64";
+    case EpilogueScaleTiles::kRowSums64x128: return "row_sums_64x128";
+    case EpilogueScaleTiles::kRowSumsPingPong64x128: return "row_sums_ping_pong_64x128";
+    case EpilogueScaleTiles::kOneWave64x64: return "one_wave_64x64";
+    case EpilogueScaleTiles::kOneWave64x64DeepK: return "one_wave_64x64_deep_k";
+    case EpilogueScaleTiles::kPingPong64x64: return "ping_pong_64x64";
+    case EpilogueScaleTiles::kOneWave128x64: return "one_wave_128x64";
+    case EpilogueScaleTiles::k128x64: return "128x64";
+    case EpilogueScaleTiles::kOneWave128x128: return "one_wave_128x128";
+    case EpilogueScaleTiles::k128x128: return "128x128";
+    case EpilogueScaleTiles::kOneWave128x192: return "one_wave_128x192";
+    case EpilogueScaleTiles::k128x192: return "128x192";
+    case EpilogueScaleTiles::kClusters128x256: return "clusters_128x256";
+    }
+    return "";
 }
 
 } // namespace flashnorm
@@ -859,11 +901,13 @@ template <class Element>
 using SmallTileGemm = ScaledGemm<Element, Shape<_64, _64, _64>, cutlass::gemm::KernelTmaWarpSpecializedPingpong,
     cutlass::epilogue::TmaWarpSpecialized>;
 // 128-row tiles, both consumer warp groups on one (cooperative), the reduction kernel in front; the
-// 128×256 ones in clusters of two along M that share each W* tile.
+// 128×256 ones in clusters of two along M that share each W* tile, the 128×192 ones alone.
 template <class Element>
 using NarrowTileGemm = ScaledGemm<Element, Shape<_128, _64, _64>, Cooperative, CooperativeEpilogue>;
 template <class Element>
 using LargeTileGemm = ScaledGemm<Element, Shape<_128, _128, _64>, Cooperative, CooperativeEpilogue>;
+template <class Element>
+using TallWideTileGemm = ScaledGemm<Element, Shape<_128, _192, _64>, Cooperative, CooperativeEpilogue>;
 template <class Element>
 using WideTileGemm = ScaledGemm<Element, Shape<_128, _256, _64>, Cooperative, CooperativeEpilogue, 2>;
 // inv_rms[m] = rsqrt(mean(x[m,:]²) + eps). Lets the GEMM launched after it (PDL) start at once;
@@ -898,8 +942,9 @@ cudaError_t configure_gemms()
              configure_gemm<RowSumOneWaveGemm<Element, Shape<_64, _64, _64>>>(),
              configure_gemm<RowSumOneWaveGemm<Element, Shape<_64, _128, _64>>>(),
              configure_gemm<RowSumPingPongGemm<Element>>(), configure_gemm<OneWaveGemm<Element, Shape<_64, _64, _64>>>(),
-             configure_gemm<OneWaveGemm<Element, Shape<_64, _64, _128>>>(), configure_gemm<SmallTileGemm<Element>>(),
-             configure_gemm<NarrowTileGemm<Element>>(), configure_gemm<LargeTileGemm<Element>>(),
+             configure_gemm<OneWaveGemm<Element, Shape<_64, _64, _128>>>(),
+             configure_gemm<SmallTileGemm<Element>>(), configure_gemm<NarrowTileGemm<Element>>(),
+             configure_gemm<LargeTileGemm<Element>>(), configure_gemm<TallWideTileGemm<Element>>(),
              configure_gemm<WideTileGemm<Element>>()})
     {
         if (status != cudaSuccess)
@@ -978,14 +1023,15 @@ cudaError_t launch_gemm(T const* x, Element const* w, int64_t m, int64_t k, int6
 
 template <typename T, class Element>
 cudaError_t launch_typed(void const* input, void const* weight, int64_t m, int64_t k, int64_t n, float eps,
-    OutputSplits const& splits, float* inv_rms, int sm_count, int64_t delay_cycles, cudaStream_t stream)
+    OutputSplits const& splits, float* inv_rms, int sm_count, int64_t delay_cycles, EpilogueScaleTiles tiles,
+    cudaStream_t stream)
 {
     auto const* x = static_cast<T const*>(input);
     auto const* w = static_cast<Element const*>(weight);
     auto const launch = [&](auto gemm) {
         return launch_gemm<decltype(gemm)>(x, w, m, k, n, eps, inv_rms, splits, sm_count, delay_cycles, stream);
     };
-    switch (epilogue_scale_tiles(m, k, n, sm_count))
+    switch (tiles)
     {
     case EpilogueScaleTiles::kRowSums64x32: return launch(RowSumOneWaveGemm<Element, Shape<_64, _32, _64>>{});
     case EpilogueScaleTiles::kRowSums64x64: return launch(RowSumOneWaveGemm<Element, Shape<_64, _64, _64>>{});
@@ -998,6 +1044,8 @@ cudaError_t launch_typed(void const* input, void const* weight, int64_t m, int64
     case EpilogueScaleTiles::k128x64: return launch(NarrowTileGemm<Element>{});
     case EpilogueScaleTiles::kOneWave128x128:
     case EpilogueScaleTiles::k128x128: return launch(LargeTileGemm<Element>{});
+    case EpilogueScaleTiles::kOneWave128x192:
+    case EpilogueScaleTiles::k128x192: return launch(TallWideTileGemm<Element>{});
     case EpilogueScaleTiles::kClusters128x256: return launch(WideTileGemm<Element>{});
     }
     return cudaErrorInvalidValue;
@@ -1018,15 +1066,17 @@ cudaError_t configure_epilogue_scale_kernels()
 
 cudaError_t launch_epilogue_scale(flashnorm_dtype dtype, void const* x, void const* w, int64_t m, int64_t k,
     int64_t n, float eps, OutputSplits const& splits, float* inv_rms, int sm_count, int64_t delay_cycles,
-    cudaStream_t stream)
+    std::optional<EpilogueScaleTiles> forced_tiles, cudaStream_t stream)
 {
+    EpilogueScaleTiles const tiles = forced_tiles ? *forced_tiles : epilogue_scale_tiles(m, k, n, sm_count);
     switch (dtype)
     {
     case FLASHNORM_DTYPE_BF16:
         return launch_typed<__nv_bfloat16, cutlass::bfloat16_t>(
-            x, w, m, k, n, eps, splits, inv_rms, sm_count, delay_cycles, stream);
+            x, w, m, k, n, eps, splits, inv_rms, sm_count, delay_cycles, tiles, stream);
     case FLASHNORM_DTYPE_F16:
-        return launch_typed<__half, cutlass::half_t>(x, w, m, k, n, eps, splits, inv_rms, sm_count, delay_cycles, stream);
+        return launch_typed<__half, cutlass::half_t>(
+            x, w, m, k, n, eps, splits, inv_rms, sm_count, delay_cycles, tiles, stream);
     case FLASHNORM_DTYPE_F32: break;
     }
     return cudaErrorInvalidValue;
@@ -1050,7 +1100,7 @@ cudaError_t configure_epilogue_scale_kernels()
 }
 
 cudaError_t launch_epilogue_scale(flashnorm_dtype, void const*, void const*, int64_t, int64_t, int64_t, float,
-    OutputSplits const&, float*, int, int64_t, cudaStream_t)
+    OutputSplits const&, float*, int, int64_t, std::optional<EpilogueScaleTiles>, cudaStream_t)
 {
     return cudaErrorNotSupported;
 }

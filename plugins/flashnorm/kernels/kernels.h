@@ -4,6 +4,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <optional>
 
 #include <cuda_runtime_api.h>
 
@@ -98,22 +99,12 @@ inline bool fused_tensor_core_shape(int64_t k, int64_t n)
     return n % 8 == 0 && k % 2 == 0;
 }
 
-// The epilogue-scale strategy (kernels/epilogue_scale.cu): one CUTLASS sm90 GEMM that scales each
-// row by rsqrt(mean(x²)+eps) and TMA-stores each split straight into its output (splits starting
-// at multiples of kEpilogueScaleSubtileColumns, 16-byte aligned outputs: the checks below), on the
-// tiles epilogue_scale_tiles picks; the row sums in its own main loop or by a reduction kernel
-// launched in front, which the GEMM (programmatic dependent launch) overlaps and its epilogue waits
-// for (griddepcontrol.wait).
-// fp16/bf16 only. `inv_rms` is m floats of workspace (the reduction kernel's output);
-// `delay_cycles` (test hook) holds the reduction's writes back after the GEMM has been let start.
-cudaError_t launch_epilogue_scale(flashnorm_dtype dtype, void const* x, void const* w, int64_t m, int64_t k,
-    int64_t n, float eps, OutputSplits const& splits, float* inv_rms, int sm_count, int64_t delay_cycles,
-    cudaStream_t stream);
-
 // The epilogue-scale GEMM's tile configurations: rows×columns of W* per tile; RowSums: the main
 // loop sums the rows, else the reduction kernel runs in front; OneWave: at most one tile per
 // multiprocessor; PingPong: two consumer warp groups taking turns on 64-row tiles; Clusters: two
-// tiles along M share each W* tile.
+// tiles along M share each W* tile. Any configuration computes any shape (the OneWave ones in
+// more waves where the tiles outnumber the multiprocessors): the names say where the dispatch
+// runs them.
 enum class EpilogueScaleTiles
 {
     kRowSums64x32,
@@ -127,8 +118,15 @@ enum class EpilogueScaleTiles
     k128x64,
     kOneWave128x128,
     k128x128,
+    kOneWave128x192,
+    k128x192,
     kClusters128x256,
 };
+
+// How many configurations EpilogueScaleTiles has, and each one's name: tests and tuning runs force
+// them by index (flashnorm_testing_set_epilogue_scale_tiles).
+constexpr int kEpilogueScaleTileConfigurations = 14;
+char const* epilogue_scale_tiles_name(EpilogueScaleTiles tiles);
 
 // The tiles the epilogue-scale GEMM runs for this shape on `sm_count` multiprocessors (pure host
 // arithmetic, in every build: AUTO reads it too).
@@ -165,10 +163,24 @@ constexpr EpilogueScaleTileShape epilogue_scale_tile_shape(EpilogueScaleTiles ti
     case EpilogueScaleTiles::k128x64: return {128, 64, false, false};
     case EpilogueScaleTiles::kOneWave128x128: return {128, 128, true, false};
     case EpilogueScaleTiles::k128x128: return {128, 128, false, false};
+    case EpilogueScaleTiles::kOneWave128x192: return {128, 192, true, false};
+    case EpilogueScaleTiles::k128x192: return {128, 192, false, false};
     case EpilogueScaleTiles::kClusters128x256: return {128, 256, false, false};
     }
     return {128, 128, false, false};
 }
+
+// The epilogue-scale strategy (kernels/epilogue_scale.cu): one CUTLASS sm90 GEMM that scales each
+// row by rsqrt(mean(x²)+eps) and TMA-stores each split straight into its output (splits starting
+// at multiples of kEpilogueScaleSubtileColumns, 16-byte aligned outputs: the checks below), on the
+// tiles epilogue_scale_tiles picks; the row sums in its own main loop or by a reduction kernel
+// launched in front, which the GEMM (programmatic dependent launch) overlaps and its epilogue waits
+// for (griddepcontrol.wait). fp16/bf16 only. `inv_rms` is m floats of workspace (the reduction
+// kernel's output); `delay_cycles` (test hook) holds the reduction's writes back after the GEMM has
+// been let start; `forced_tiles` (tuning hook) runs those tiles instead of epilogue_scale_tiles'.
+cudaError_t launch_epilogue_scale(flashnorm_dtype dtype, void const* x, void const* w, int64_t m, int64_t k,
+    int64_t n, float eps, OutputSplits const& splits, float* inv_rms, int sm_count, int64_t delay_cycles,
+    std::optional<EpilogueScaleTiles> forced_tiles, cudaStream_t stream);
 
 // Whether this build has the epilogue-scale GEMM (CUTLASS headers were found at configure time).
 bool epilogue_scale_built();

@@ -6,6 +6,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <unordered_map>
 
@@ -104,6 +105,9 @@ struct flashnorm_context
     // The fused kernel's strip width and blocks per strip: chosen per shape unless forced by
     // flashnorm_testing_set_fused_tuning (tests and tuning runs).
     flashnorm::FusedTuning fused_tuning;
+    // The epilogue-scale GEMM's tiles: chosen per shape (epilogue_scale_tiles) unless forced by
+    // flashnorm_testing_set_epilogue_scale_tiles (tests and tuning runs).
+    std::optional<flashnorm::EpilogueScaleTiles> epilogue_scale_tiles;
     // The epilogue-scale strategy is in this build and the device is compute capability 9.0.
     bool epilogue_scale_usable = false;
     std::string last_error;

@@ -146,6 +146,15 @@ FLASHNORM_API void flashnorm_testing_set_side_delay(flashnorm_context* context, 
 FLASHNORM_API flashnorm_status flashnorm_testing_set_fused_tuning(
     flashnorm_context* context, int32_t strip_cols, int32_t cluster_size);
 
+/* Tuning hook: forces the epilogue-scale GEMM's tile configuration on this context, `tiles` being
+ * 1 + a configuration's index (flashnorm_testing_epilogue_scale_tiles_name); 0 restores the
+ * automatic choice, anything else is FLASHNORM_STATUS_INVALID_ARGUMENT. Every configuration computes
+ * every shape the strategy takes; AUTO still picks the strategy as before. */
+FLASHNORM_API flashnorm_status flashnorm_testing_set_epilogue_scale_tiles(flashnorm_context* context, int32_t tiles);
+
+/* The name of the epilogue-scale GEMM's tile configuration `index` (from 0), NULL past the last. */
+FLASHNORM_API char const* flashnorm_testing_epilogue_scale_tiles_name(int32_t index);
+
 /* 1 if `strategy` can run on this context's device in this build (AUTO: always 1), else 0. */
 FLASHNORM_API int flashnorm_strategy_available(flashnorm_context const* context, flashnorm_strategy strategy);
 
