@@ -33,6 +33,7 @@ from kernel_benchmark import (  # noqa: E402
     reference_flashnorm,
     relative_error,
     rotation_count,
+    row_identity,
     unfused_norm_matmul,
 )
 from shapes import EPS, SITES, TOKEN_COUNTS, Site  # noqa: E402
@@ -77,13 +78,7 @@ def measure(cuda_ops, site: Site, m: int, tiles: Sequence[str], timer: GraphTime
         finally:
             cuda_ops.set_epilogue_scale_tiles(None)
     return dict(
-        model=site.model,
-        site=site.name,
-        m=m,
-        k=site.k,
-        n=site.n,
-        splits=list(site.splits),
-        input_sets=count,
+        **row_identity(site, m, count),
         auto_resolves_to=cuda_ops.resolve_strategy(m, site.k, site.n, dtype, site.splits),
         times_us=times,
         check_relative_error=errors,

@@ -212,6 +212,13 @@ def check_strategies(site: Site, m: int, op: Callable, device: torch.device, dty
     return results
 
 
+def row_identity(site: Site, m: int, input_sets: int) -> dict:
+    """The fields a result row of the benchmark scripts starts with: which call, on how many input sets."""
+    return dict(
+        model=site.model, site=site.name, m=m, k=site.k, n=site.n, splits=list(site.splits), input_sets=input_sets
+    )
+
+
 def measure_site(
     site: Site,
     token_counts: Sequence[int],
@@ -260,13 +267,7 @@ def measure_site(
         gemm_again = timer(calls["gemm"], count)
         floor, compute_bound = floor_us(site, m)
         row = dict(
-            model=site.model,
-            site=site.name,
-            m=m,
-            k=site.k,
-            n=site.n,
-            splits=list(site.splits),
-            input_sets=count,
+            **row_identity(site, m, count),
             column_order=list(order),
             times_us=times,
             gemm_repeat_us=gemm_again,

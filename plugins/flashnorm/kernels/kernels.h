@@ -126,6 +126,8 @@ enum class EpilogueScaleTiles
 // How many configurations EpilogueScaleTiles has, and each one's name: tests and tuning runs force
 // them by index (flashnorm_testing_set_epilogue_scale_tiles).
 constexpr int kEpilogueScaleTileConfigurations = 14;
+static_assert(static_cast<int>(EpilogueScaleTiles::kClusters128x256) + 1 == kEpilogueScaleTileConfigurations,
+    "kClusters128x256 is the last configuration");
 char const* epilogue_scale_tiles_name(EpilogueScaleTiles tiles);
 
 // The tiles the epilogue-scale GEMM runs for this shape on `sm_count` multiprocessors (pure host
