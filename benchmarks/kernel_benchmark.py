@@ -54,6 +54,7 @@ BF16_FLOPS_PER_S = 790e12
 CHECK_TOLERANCE = 1e-2  # bf16 outputs: 8 significant bits, fp32 accumulation
 STRATEGIES = ("two_stream", "fused", "prenorm", "epilogue_scale", "auto")
 ONE_OUTPUT = "auto one output"
+SPEEDUP_CHECK = "rms+gemm>=1.30*auto"  # the decode target over F.rms_norm + cuBLAS
 COLUMNS = ("gemm", "rms+gemm", "compile", *STRATEGIES, ONE_OUTPUT)
 
 SetCall = Callable[[int], object]  # runs one call on input set i
@@ -280,6 +281,7 @@ def measure_site(
             errors=errors,
         )
         row.update(ratios(times))
+        row["floor_forbids_speedup"] = floor_forbids_speedup(m, times, floor)
         row["targets"] = targets(m, times["auto"], times)
         row["targets_one_output"] = targets(m, times[ONE_OUTPUT], times)
         rows.append(row)
@@ -310,10 +312,17 @@ def targets(m: int, auto: float | None, times: dict[str, float | None]) -> dict[
         return result
     if m <= 16:
         result["auto<=gemm"] = auto <= times["gemm"]
-        result["rms+gemm>=1.30*auto"] = times["rms+gemm"] >= 1.30 * auto
+        result[SPEEDUP_CHECK] = times["rms+gemm"] >= 1.30 * auto
     if m >= 1024:
         result["auto<=rms+gemm"] = auto <= times["rms+gemm"]
     return result
+
+
+def floor_forbids_speedup(m: int, times: dict[str, float | None], floor: float) -> bool:
+    """Whether the decode target's 1.30× over F.rms_norm + cuBLAS would need `auto` below the floor
+    (F.rms_norm + GEMM < 1.30 × floor): the issue asks to say where the HBM floor does not allow it.
+    The check itself is still judged and counted as measured."""
+    return m <= 16 and times["rms+gemm"] is not None and times["rms+gemm"] < 1.30 * floor
 
 
 def _us(value: float | None) -> str:
@@ -351,7 +360,11 @@ def markdown_tables(rows: list[dict], sites: Sequence[Site]) -> str:
             t = r["times_us"]
             floor = _us(r["floor_us"]) + (" (compute)" if r["compute_bound"] else "")
             met, met_one = (
-                ", ".join(("✓ " if ok else "✗ ") + name for name, ok in r[key].items())
+                ", ".join(
+                    ("✓ " if ok else "✗ ") + name
+                    + (" (the floor forbids it)" if name == SPEEDUP_CHECK and r["floor_forbids_speedup"] else "")
+                    for name, ok in r[key].items()
+                )
                 for key in ("targets", "targets_one_output")
             )
             lines.append(
@@ -415,6 +428,10 @@ def summary_lines(rows: list[dict]) -> str:
         f"{sum((r['one_output_over_compile'] or math.inf) <= 1 for r in compile_cells)}.",
         f"- Missed (per-split outputs): {missed('targets')}.",
         f"- Missed (one output): {missed('targets_one_output')}.",
+        "- Where the HBM floor forbids the decode check " + SPEEDUP_CHECK + " (F.rms_norm + GEMM below 1.30× the "
+        "floor, so auto would have to beat the floor): "
+        + ("; ".join(f"{r['model']} {r['site']} M={r['m']}" for r in rows if r["floor_forbids_speedup"]) or "nowhere")
+        + ".",
         f"- Noise: the GEMM-alone column timed twice per row differs by median "
         f"{100 * statistics.median(noise):.1f} %, at most {100 * max(noise):.1f} %.",
         f"- Correctness (relative L2 error vs fp32, tolerance {CHECK_TOLERANCE:g}): "

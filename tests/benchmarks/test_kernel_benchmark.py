@@ -32,3 +32,13 @@ def test_targets_judge_the_given_auto_time() -> None:
     assert kernel_benchmark.targets(1024, 8.5, times) == {"auto<=rms+gemm": False}
     assert kernel_benchmark.targets(64, 3.0, times) == {}
     assert kernel_benchmark.targets(1, None, times) == {}
+
+
+def test_floor_forbids_the_speedup_only_below_1_30_floors() -> None:
+    """Llama-3.1-8B gate|up at M = 1 (2026-12-04): F.rms_norm + GEMM 65.3 µs, floor 54.6 µs, so the
+    1.30× check would need auto at 50.2 µs, below the floor; Llama-3.2-1B gate|up (23.6 against 15.6)
+    leaves room. Prefill rows are never judged by it."""
+    assert kernel_benchmark.floor_forbids_speedup(1, {"rms+gemm": 65.3}, 54.6)
+    assert not kernel_benchmark.floor_forbids_speedup(1, {"rms+gemm": 23.6}, 15.6)
+    assert not kernel_benchmark.floor_forbids_speedup(1024, {"rms+gemm": 65.3}, 54.6)
+    assert not kernel_benchmark.floor_forbids_speedup(1, {"rms+gemm": None}, 54.6)
