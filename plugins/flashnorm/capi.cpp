@@ -212,14 +212,15 @@ int64_t prenorm_min_rows(flashnorm_problem const& problem)
 bool epilogue_scale_one_wave_taken(flashnorm_problem const& problem)
 {
     int const multiprocessors = kAuto.epilogue_scale_multiprocessors;
-    flashnorm::EpilogueScaleTileShape const tile = flashnorm::epilogue_scale_tile_shape(
-        flashnorm::epilogue_scale_tiles(problem.m, problem.k, problem.n, multiprocessors));
+    flashnorm::EpilogueScaleTiles const configuration
+        = flashnorm::epilogue_scale_tiles(problem.m, problem.k, problem.n, multiprocessors);
+    flashnorm::EpilogueScaleTileShape const tile = flashnorm::epilogue_scale_tile_shape(configuration);
     int64_t const tiles = flashnorm::tile_count(problem.m, problem.n, tile.rows, tile.columns);
-    bool const wide = tile.columns == 192;
+    bool const columns_192 = configuration == flashnorm::EpilogueScaleTiles::kOneWave128x192;
     int64_t const fill_percent
-        = wide ? kAuto.epilogue_scale_192_column_fill_percent : kAuto.epilogue_scale_one_wave_fill_percent;
-    int64_t const last_block_sixteenths
-        = wide ? kAuto.epilogue_scale_192_column_last_block_sixteenths : kAuto.epilogue_scale_last_block_sixteenths;
+        = columns_192 ? kAuto.epilogue_scale_192_column_fill_percent : kAuto.epilogue_scale_one_wave_fill_percent;
+    int64_t const last_block_sixteenths = columns_192 ? kAuto.epilogue_scale_192_column_last_block_sixteenths
+                                                      : kAuto.epilogue_scale_last_block_sixteenths;
     if (!tile.one_wave || 100 * tiles < fill_percent * multiprocessors)
         return false;
     if (tile.row_sums && problem.k > kAuto.epilogue_scale_max_k)
