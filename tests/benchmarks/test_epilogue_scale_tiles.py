@@ -1,6 +1,6 @@
-"""benchmarks/epilogue_scale_tiles.py's table on CPU (its timings need the GPU: they run in
-benchmarks/run_gpu.sh's call): every forced configuration gets a column, untimed ones a dash, and
-the fastest forced one is named."""
+"""benchmarks/epilogue_scale_tiles.py's table on CPU (its timings need the GPU, where the script is
+run by hand: docs/BENCHMARKS.md): every forced configuration gets a column, untimed ones a dash,
+and the fastest forced one is named."""
 
 import sys
 from pathlib import Path

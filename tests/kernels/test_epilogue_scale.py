@@ -116,7 +116,7 @@ def test_partial_last_row_block_loaded_by_atoms(m, k, splits, dtype, rng):
 
 
 # (M, K, splits) for every forced tile configuration: a row tail inside a swizzle atom and one past
-# a whole 128-row block, split edges inside 64-, 96-, 128- and 192-column tiles, last splits
+# a whole 128-row block, split edges inside 64-, 128-, 192- and 256-column tiles, last splits
 # narrower than the store box, and K tails on short and long K.
 FORCED_TILE_SHAPES = [
     (3, 576, [576, 192, 192]),

@@ -192,9 +192,9 @@ def test_auto_epilogue_scale_region(built_library, epilogue_scale_built, monkeyp
     4096 rows ahead of prenorm's region, which then starts at 4097 at the earliest); with K >= 2048
     at exactly 64 rows where the splits form several runs or one run with K·N < 2^26, a large-weight
     prenorm region then starting at 65 rows; and from 9 rows wherever its tiles run in one wave at
-    least 70 % full of the H200's 132 multiprocessors (128×192 tiles 80 %), except 64-row tiles summing the rows in the
+    least 70 % full of the H200's 132 multiprocessors, except 64-row tiles summing the rows in the
     main loop on long K beyond one row block and 128-row tiles whose last row block is less than
-    9/16 full. Built without, fused, two_stream, or prenorm from 64 rows on a one-run W* of
+    9/16 full (128×192 tiles: 80 % and 12/16). Built without, fused, two_stream, or prenorm from 64 rows on a one-run W* of
     K·N >= 2^25. Either way AUTO reserves two_stream's workspace there: the call falls back to
     two_stream where the device or the pointers refuse the CUTLASS kernel."""
     import torch
