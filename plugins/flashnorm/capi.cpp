@@ -54,13 +54,17 @@ struct AutoTable
     // whose last row block is less than epilogue_scale_last_block_sixteenths / 16 full (there
     // two_stream's cuBLAS tiles measured faster); 128×192 tiles at least
     // epilogue_scale_192_column_fill_percent % full with a last row block at least
-    // epilogue_scale_192_column_last_block_sixteenths / 16 full; its tiles as the kernel library
-    // picks them on epilogue_scale_multiprocessors, the H200's.
+    // epilogue_scale_192_column_last_block_sixteenths / 16 full; 128×96 tiles in clusters of two
+    // with a last row block at least epilogue_scale_96_column_last_block_sixteenths / 16 full, or
+    // any last row block from epilogue_scale_96_column_row_blocks row blocks; its tiles as the
+    // kernel library picks them on epilogue_scale_multiprocessors, the H200's.
     int64_t epilogue_scale_one_wave_min_rows;
     int64_t epilogue_scale_one_wave_fill_percent;
     int64_t epilogue_scale_last_block_sixteenths;
     int64_t epilogue_scale_192_column_fill_percent;
     int64_t epilogue_scale_192_column_last_block_sixteenths;
+    int64_t epilogue_scale_96_column_last_block_sixteenths;
+    int64_t epilogue_scale_96_column_row_blocks;
     int epilogue_scale_multiprocessors;
 };
 
@@ -86,6 +90,8 @@ constexpr AutoTable kAuto{
     /*epilogue_scale_last_block_sixteenths=*/9,
     /*epilogue_scale_192_column_fill_percent=*/80,
     /*epilogue_scale_192_column_last_block_sixteenths=*/12,
+    /*epilogue_scale_96_column_last_block_sixteenths=*/8,
+    /*epilogue_scale_96_column_row_blocks=*/4,
     /*epilogue_scale_multiprocessors=*/132,
 };
 
@@ -208,7 +214,8 @@ int64_t prenorm_min_rows(flashnorm_problem const& problem)
 // summing the rows in the main loop on long K in one row block only, 128-row tiles with a last row
 // block at least epilogue_scale_last_block_sixteenths / 16 full; 128×192 tiles by their own two
 // entries (their one wave at 73 % and a last row block of 72 rows measured slower than two_stream
-// on K = 4096).
+// on K = 4096), 128×96 clusters by theirs (over two or three row blocks a last one of 64 rows
+// measured faster than two_stream, of 1 to 48 rows slower; over four, any).
 bool epilogue_scale_one_wave_taken(flashnorm_problem const& problem)
 {
     int const multiprocessors = kAuto.epilogue_scale_multiprocessors;
@@ -217,14 +224,18 @@ bool epilogue_scale_one_wave_taken(flashnorm_problem const& problem)
     flashnorm::EpilogueScaleTileShape const tile = flashnorm::epilogue_scale_tile_shape(configuration);
     int64_t const tiles = flashnorm::tile_count(problem.m, problem.n, tile.rows, tile.columns);
     bool const columns_192 = configuration == flashnorm::EpilogueScaleTiles::kOneWave128x192;
+    bool const columns_96 = configuration == flashnorm::EpilogueScaleTiles::kOneWaveClusters128x96;
     int64_t const fill_percent
         = columns_192 ? kAuto.epilogue_scale_192_column_fill_percent : kAuto.epilogue_scale_one_wave_fill_percent;
     int64_t const last_block_sixteenths = columns_192 ? kAuto.epilogue_scale_192_column_last_block_sixteenths
+        : columns_96                                  ? kAuto.epilogue_scale_96_column_last_block_sixteenths
                                                       : kAuto.epilogue_scale_last_block_sixteenths;
     if (!tile.one_wave || 100 * tiles < fill_percent * multiprocessors)
         return false;
     if (tile.row_sums && problem.k > kAuto.epilogue_scale_max_k)
         return problem.m <= tile.rows;
+    if (columns_96 && (problem.m + tile.rows - 1) / tile.rows >= kAuto.epilogue_scale_96_column_row_blocks)
+        return true;
     int64_t const last_block_rows = (problem.m - 1) % tile.rows + 1;
     return tile.rows < 128 || 16 * last_block_rows >= last_block_sixteenths * tile.rows;
 }

@@ -66,14 +66,16 @@ def test_matches_float64_reference(m, dtype, rng):
     [
         (640, 2048, [8224, 4320, 4352]),  # 128x256 clusters: 5 row blocks, the last cluster half out of range
         (1000, 2048, [8224, 4320, 4352]),  # 8 row blocks, a partial last one
-        (200, 2056, [4096, 1024, 1024]),  # one wave of 96 128x128 tiles (73 %), a partial last row block
+        (200, 2056, [4096, 1024, 1024]),  # one wave of 128 128x96 tiles in clusters of two, a partial last row block
+        (560, 2056, [2048, 512, 512]),  # one wave of 120 128x128 tiles (91 %), a partial last row block
         (3900, 576, [576, 192, 192]),  # short K: one wave of 124 128x256 tiles, the last cluster half out of range
     ],
 )
 def test_cooperative_tiles_with_row_and_split_tails(m, k, splits, dtype, rng):
     """The 128-row cooperative tiles where the rows are not a multiple of them: 128x256 tiles in
     clusters of two along M (K = 2048, N = 16896, a split edge inside a tile at 8224, and one wave of
-    them on short K), and one wave of 128x128 tiles filling at least 70 % on long K. The one-wave
+    them on short K), and one wave of 128x96 tiles in clusters of two or of 128x128 tiles filling at
+    least 70 % on long K. The one-wave
     choices assume 132 multiprocessors (an H200's, H100 SXM's); elsewhere other tiles run, still
     checked."""
     cuda_ops = cuda_ops_module()
@@ -92,7 +94,8 @@ def test_cooperative_tiles_with_row_and_split_tails(m, k, splits, dtype, rng):
         (73, 2056, [1056, 512, 488]),  # one wave of 64x64 tiles: 9 rows of the last block, 2 atoms of 8 rows
         (120, 4104, [1056, 1000]),  # 64x64x128 tiles: 56 rows, boxes of 1, 2 and 4 atoms, two per K step, a K tail
         (127, 4104, [1056, 1000]),  # 63 rows: the tile's own box (one row past x)
-        (248, 2056, [4096, 1024, 1024]),  # one wave of 128x128 tiles: 120 rows, boxes of 1, 2, 4 and 8 atoms
+        (248, 2056, [4096, 1024, 1024]),  # one wave of 128x96 clusters: 120 rows, boxes of 1, 2, 4 and 8 atoms
+        (600, 2048, [2048, 512, 512]),  # one wave of 128x128 tiles: 88 rows, boxes of 1, 2 and 8 atoms
         (200, 2048, [2048, 512, 512]),  # one wave of 128x64 tiles: 72 rows, boxes of 1 and 8 atoms
         (65, 1032, [8992, 8008]),  # ping-pong 64x64 tiles (more of them than multiprocessors): 1 row
         (1031, 2048, [8224, 4320, 4352]),  # 128x256 clusters: 7 rows, the cluster's second block wholly past x
@@ -116,7 +119,7 @@ def test_partial_last_row_block_loaded_by_atoms(m, k, splits, dtype, rng):
 
 
 # (M, K, splits) for every forced tile configuration: a row tail inside a swizzle atom and one past
-# a whole 128-row block, split edges inside 64-, 128-, 192- and 256-column tiles, last splits
+# a whole 128-row block, split edges inside 64-, 96-, 128-, 192- and 256-column tiles, last splits
 # narrower than the store box, and K tails on short and long K.
 FORCED_TILE_SHAPES = [
     (3, 576, [576, 192, 192]),
@@ -196,7 +199,7 @@ def test_auto_region_and_its_fallback_on_unaligned_x(dtype, rng):
         (64, 2048, [2048, 512, 512]), (300, 576, [1536, 1536]), (3000, 576, [576, 192, 192]),
         (24, 576, [576, 192, 192]), (9, 576, [1536, 1536]), (16, 4096, [4096, 1024, 1024]),
         (200, 2048, [2048, 512, 512]), (250, 4096, [4096, 1024, 1024]), (1000, 2048, [2048, 512, 512]),
-        (500, 4096, [4096, 1024, 1024]),
+        (500, 4096, [4096, 1024, 1024]), (320, 2048, [2048, 512, 512]), (386, 2048, [2048, 512, 512]),
     )
     for m, k, splits in cases:
         assert cuda_ops.resolve_strategy(m, k, sum(splits), dtype, splits) == "epilogue_scale"

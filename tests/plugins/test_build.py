@@ -121,8 +121,9 @@ def test_epilogue_scale_tile_names_listed_in_every_build(built_library, monkeypa
     monkeypatch.setenv("FLASHNORM_LIBRARY", str(built_library))
     monkeypatch.setattr(cuda_ops, "_library", None)
     names = cuda_ops.epilogue_scale_tile_names()
-    assert len(names) == len(set(names)) == 14, names
-    assert {"row_sums_64x32", "one_wave_128x192", "128x192", "clusters_128x256"} <= set(names)
+    assert len(names) == len(set(names)) == 15, names
+    listed = {"row_sums_64x32", "one_wave_128x192", "128x192", "clusters_128x256", "one_wave_clusters_128x96"}
+    assert listed <= set(names)
     assert all(name for name in names)
     with pytest.raises(FlashNormError, match="'64x48' are unknown"):
         cuda_ops.set_epilogue_scale_tiles("64x48")
@@ -194,7 +195,8 @@ def test_auto_epilogue_scale_region(built_library, epilogue_scale_built, monkeyp
     prenorm region then starting at 65 rows; and from 9 rows wherever its tiles run in one wave at
     least 70 % full of the H200's 132 multiprocessors, except 64-row tiles summing the rows in the
     main loop on long K beyond one row block and 128-row tiles whose last row block is less than
-    9/16 full (128×192 tiles: 80 % and 12/16). Built without, fused, two_stream, or prenorm from 64 rows on a one-run W* of
+    9/16 full (128×192 tiles: 80 % and 12/16; 128×96 tiles in clusters of two: 8/16 over two or
+    three row blocks, any over four). Built without, fused, two_stream, or prenorm from 64 rows on a one-run W* of
     K·N >= 2^25. Either way AUTO reserves two_stream's workspace there: the call falls back to
     two_stream where the device or the pointers refuse the CUTLASS kernel."""
     import torch
@@ -228,23 +230,27 @@ def test_auto_epilogue_scale_region(built_library, epilogue_scale_built, monkeyp
     assert cuda_ops.resolve_strategy(512, 576, 3072, torch.bfloat16, [1536, 1536]) == "prenorm"
     assert cuda_ops.resolve_strategy(512, 576, 964, torch.bfloat16, [576, 192, 196]) == "two_stream"
     # Llama-3.1-8B's q|k|v: one wave of 96 tiles of 64×64 from 9 to 64 rows; 64×128 tiles with the
-    # sums in the main loop over two row blocks from 65 (not taken); one wave of 96 128×128 tiles
-    # from 129 rows, taken from 200 (a last row block of 72 rows); one wave of 96 128×192 tiles from
-    # 257 (73 %: not taken) and of 128 from 385, taken from 480 (a last row block of 96 rows); past
-    # one wave from 513.
+    # sums in the main loop over two row blocks from 65 (not taken); one wave of 128 128×96 tiles in
+    # clusters of two from 129 rows, taken from 192 (a last row block of 64 rows); one wave of 96
+    # 128×192 tiles from 257 (73 %: not taken) and of 128 from 385, taken from 480 (a last row block
+    # of 96 rows); past one wave from 513.
     qkv_8b = [4096, 1024, 1024]
     check(4096, qkv_8b, ((8, "fused"), (9, es or "fused"), (16, es or "fused"), (17, region), (64, region),
-                         (65, "two_stream"), (128, "two_stream"), (199, "two_stream"), (200, region), (256, region),
+                         (65, "two_stream"), (128, "two_stream"), (191, "two_stream"), (192, region), (256, region),
                          (257, "two_stream"), (384, "two_stream"), (479, "two_stream"), (480, region), (512, region),
                          (513, "two_stream"), (639, "two_stream"), (640, "prenorm")))
     # Llama-3.2-1B's q|k|v: 48 tiles of 64×64 up to 64 rows (exactly 64 taken), 96 from 65 to 128;
-    # one wave of 96 128×64 tiles from 129 to 256 rows, of 96 and 120 128×128 tiles from 385 to 640,
-    # each taken from a last row block of 72 rows, and of 96, 112 and 128 128×192 tiles from 641 to
-    # 1024 (the 96, 73 % of the multiprocessors, not taken), from a last row block of 96 rows.
+    # one wave of 96 128×64 tiles from 129 to 256 rows, taken from a last row block of 72 rows; of 96
+    # and 128 128×96 tiles in clusters of two from 257 to 512, taken from a last row block of 64 rows
+    # over three row blocks and from 385 over four;
+    # of 120 128×128 tiles from 513 to 640, taken from 72 rows; and of 96, 112 and 128 128×192 tiles
+    # from 641 to 1024 (the 96, 73 % of the multiprocessors, not taken), from a last row block of 96
+    # rows.
     qkv_1b = [2048, 512, 512]
     check(2048, qkv_1b, ((16, "fused"), (17, "two_stream"), (63, "two_stream"), (64, region), (65, region),
                          (128, region), (129, "two_stream"), (199, "two_stream"), (200, region), (256, region),
-                         (257, "two_stream"), (455, "two_stream"), (456, region), (512, region), (513, "two_stream"),
+                         (257, "two_stream"), (319, "two_stream"), (320, region), (384, region), (385, region),
+                         (447, region), (512, region), (513, "two_stream"),
                          (583, "two_stream"), (584, region), (640, region), (641, "two_stream"), (768, "two_stream"),
                          (863, "two_stream"), (864, region), (896, region), (897, "two_stream"), (991, "two_stream"),
                          (992, region), (1024, region), (1025, "two_stream"), (1280, "prenorm")))
@@ -261,10 +267,10 @@ def test_auto_epilogue_scale_region(built_library, epilogue_scale_built, monkeyp
     assert cuda_ops.resolve_strategy(64, 2040, 16384, torch.bfloat16, gate_up_1b) == region
     # One run below 2^25, K >= 2048: 64 rows, then two_stream up to prenorm's 256 rows (from 224 one
     # wave of 116 128×192 tiles, 88 %, a last row block of 96 rows); Llama-3.1-8B's q|k|v as one
-    # output also in one wave of 64×64 tiles from 9 rows and of 128×128 tiles from 200.
+    # output also in one wave of 64×64 tiles from 9 rows and of 128×96 clusters from 192.
     check(2048, [5504, 5504], ((17, "two_stream"), (64, region), (65, "two_stream"), (223, "two_stream"),
                                (224, region), (255, region), (256, "prenorm")))
-    check(4096, [6144], ((9, es or "fused"), (64, region), (65, "two_stream"), (199, "two_stream"), (200, region),
+    check(4096, [6144], ((9, es or "fused"), (64, region), (65, "two_stream"), (191, "two_stream"), (192, region),
                          (255, region), (256, "prenorm")))
     reserved = [(64, 576, qkv), (1000, 576, qkv), (1024, 576, qkv), (4096, 576, qkv), (64, 576, gate_up), (64, 4096, qkv_8b),
                 (64, 2048, qkv_1b), (prenorm_from - 1, 576, gate_up)]

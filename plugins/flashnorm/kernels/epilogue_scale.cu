@@ -100,8 +100,14 @@ bool wide_tiles_fit(int64_t m, int64_t k, int64_t n, int sm_count)
 // - Otherwise 128-row cooperative tiles: 128×128, or 128×64 where 128×128 ones would leave
 //   multiprocessors idle; 128×256 clusters where wide_tiles_fit. Ping-pong 64×128 / 64×256 tiles
 //   measured slower there, on long K or at 4096 rows.
-// - On long K, one wave of 128×128 tiles at least 70 % full ahead of the 64-row tiles, and then one
-//   of 128×64 tiles: 2026-12-03, Llama-3.1-8B q|k|v at 256 rows 25.9 µs on 96 tiles against 45 on
+// - On long K, one wave of 128×96 tiles in clusters of two along M (each pair shares its W* tile
+//   through TMA multicast) at least 70 % full: 2026-12-04 (benchmarks/epilogue_scale_tiles.py; the
+//   tile and cluster cuBLAS runs there), Llama-3.2-1B q|k|v at 384 rows 14.1 µs on 96 tiles against
+//   15.6 on 72 of 128×128, at 448 and 512 rows 14.2 and 14.6 on 128 tiles against 16.2 and 16.5 on
+//   96 of 128×128 (16.1 and 16.7 on 128×96 tiles without clusters); Llama-3.1-8B q|k|v at 192 and
+//   256 rows 23.6 and 25.4 against 26.2 and 26.1 on 96 of 128×128 (28.3 and 29.4 without clusters).
+// - Else on long K, one wave of 128×128 tiles at least 70 % full ahead of the 64-row tiles, and then
+//   one of 128×64 tiles: 2026-12-03, Llama-3.1-8B q|k|v at 256 rows 25.9 µs on 96 tiles against 45 on
 //   ping-pong 64×64 ones, at 160 rows 25.8 (a partial last row block: PartialRowBlockMainloop)
 //   against 46.7; Llama-3.2-1B q|k|v at 512 rows 17.0 against 20.0 on 128×64 tiles, at 256 rows
 //   11.5 on 96 tiles of 128×64 against 12.1 on 64×128 tiles with the sums in the main loop.
@@ -136,6 +142,10 @@ EpilogueScaleTiles epilogue_scale_tiles(int64_t m, int64_t k, int64_t n, int sm_
     if (m > 128)
     {
         bool const long_k = k > kRowSumsMaxK;
+        if (long_k && fills_one_wave(tile_count(m, n, 128, 96), sm_count))
+        {
+            return EpilogueScaleTiles::kOneWaveClusters128x96;
+        }
         int64_t const large_tiles = tile_count(m, n, 128, 128);
         if (long_k && fills_one_wave(large_tiles, sm_count))
         {
@@ -185,6 +195,7 @@ char const* epilogue_scale_tiles_name(EpilogueScaleTiles tiles)
     case EpilogueScaleTiles::kOneWave128x192: return "one_wave_128x192";
     case EpilogueScaleTiles::k128x192: return "128x192";
     case EpilogueScaleTiles::kClusters128x256: return "clusters_128x256";
+    case EpilogueScaleTiles::kOneWaveClusters128x96: return "one_wave_clusters_128x96";
     }
     return "";
 }
@@ -901,7 +912,7 @@ template <class Element>
 using SmallTileGemm = ScaledGemm<Element, Shape<_64, _64, _64>, cutlass::gemm::KernelTmaWarpSpecializedPingpong,
     cutlass::epilogue::TmaWarpSpecialized>;
 // 128-row tiles, both consumer warp groups on one (cooperative), the reduction kernel in front; the
-// 128×256 ones in clusters of two along M that share each W* tile, the 128×192 ones alone.
+// 128×96 and 128×256 ones in clusters of two along M that share each W* tile, the others alone.
 template <class Element>
 using NarrowTileGemm = ScaledGemm<Element, Shape<_128, _64, _64>, Cooperative, CooperativeEpilogue>;
 template <class Element>
@@ -910,6 +921,8 @@ template <class Element>
 using TallWideTileGemm = ScaledGemm<Element, Shape<_128, _192, _64>, Cooperative, CooperativeEpilogue>;
 template <class Element>
 using WideTileGemm = ScaledGemm<Element, Shape<_128, _256, _64>, Cooperative, CooperativeEpilogue, 2>;
+template <class Element>
+using PairedTileGemm = ScaledGemm<Element, Shape<_128, _96, _64>, Cooperative, CooperativeEpilogue, 2>;
 // inv_rms[m] = rsqrt(mean(x[m,:]²) + eps). Lets the GEMM launched after it (PDL) start at once;
 // `delay_cycles` (test hook) holds the writes back after that.
 template <typename T>
@@ -945,7 +958,7 @@ cudaError_t configure_gemms()
              configure_gemm<OneWaveGemm<Element, Shape<_64, _64, _128>>>(),
              configure_gemm<SmallTileGemm<Element>>(), configure_gemm<NarrowTileGemm<Element>>(),
              configure_gemm<LargeTileGemm<Element>>(), configure_gemm<TallWideTileGemm<Element>>(),
-             configure_gemm<WideTileGemm<Element>>()})
+             configure_gemm<WideTileGemm<Element>>(), configure_gemm<PairedTileGemm<Element>>()})
     {
         if (status != cudaSuccess)
         {
@@ -1047,6 +1060,7 @@ cudaError_t launch_typed(void const* input, void const* weight, int64_t m, int64
     case EpilogueScaleTiles::kOneWave128x192:
     case EpilogueScaleTiles::k128x192: return launch(TallWideTileGemm<Element>{});
     case EpilogueScaleTiles::kClusters128x256: return launch(WideTileGemm<Element>{});
+    case EpilogueScaleTiles::kOneWaveClusters128x96: return launch(PairedTileGemm<Element>{});
     }
     return cudaErrorInvalidValue;
 }

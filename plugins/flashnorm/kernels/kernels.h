@@ -102,9 +102,9 @@ inline bool fused_tensor_core_shape(int64_t k, int64_t n)
 // The epilogue-scale GEMM's tile configurations: rows×columns of W* per tile; RowSums: the main
 // loop sums the rows, else the reduction kernel runs in front; OneWave: at most one tile per
 // multiprocessor; PingPong: two consumer warp groups taking turns on 64-row tiles; Clusters: two
-// tiles along M share each W* tile. Any configuration computes any shape (the OneWave ones in
-// more waves where the tiles outnumber the multiprocessors): the names say where the dispatch
-// runs them.
+// tiles along M share each W* tile (TMA multicast). Any configuration computes any shape (the
+// OneWave ones in more waves where the tiles outnumber the multiprocessors): the names say where
+// the dispatch runs them.
 enum class EpilogueScaleTiles
 {
     kRowSums64x32,
@@ -121,13 +121,14 @@ enum class EpilogueScaleTiles
     kOneWave128x192,
     k128x192,
     kClusters128x256,
+    kOneWaveClusters128x96,
 };
 
 // How many configurations EpilogueScaleTiles has, and each one's name: tests and tuning runs force
 // them by index (flashnorm_testing_set_epilogue_scale_tiles).
-constexpr int kEpilogueScaleTileConfigurations = 14;
-static_assert(static_cast<int>(EpilogueScaleTiles::kClusters128x256) + 1 == kEpilogueScaleTileConfigurations,
-    "kClusters128x256 is the last configuration");
+constexpr int kEpilogueScaleTileConfigurations = 15;
+static_assert(static_cast<int>(EpilogueScaleTiles::kOneWaveClusters128x96) + 1 == kEpilogueScaleTileConfigurations,
+    "kOneWaveClusters128x96 is the last configuration");
 char const* epilogue_scale_tiles_name(EpilogueScaleTiles tiles);
 
 // The tiles the epilogue-scale GEMM runs for this shape on `sm_count` multiprocessors (pure host
@@ -168,6 +169,7 @@ constexpr EpilogueScaleTileShape epilogue_scale_tile_shape(EpilogueScaleTiles ti
     case EpilogueScaleTiles::kOneWave128x192: return {128, 192, true, false};
     case EpilogueScaleTiles::k128x192: return {128, 192, false, false};
     case EpilogueScaleTiles::kClusters128x256: return {128, 256, false, false};
+    case EpilogueScaleTiles::kOneWaveClusters128x96: return {128, 96, true, false};
     }
     return {128, 128, false, false};
 }

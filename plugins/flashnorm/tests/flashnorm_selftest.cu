@@ -257,7 +257,8 @@ int main()
         cases.insert(cases.end(), {
             {FLASHNORM_DTYPE_BF16, epilogue, 5, 96, {32, 32, 16}, 0, false},      // 64-row tiles, row tail
             {FLASHNORM_DTYPE_F16, epilogue, 300, 264, {32, 32, 32, 8}, 0, false}, // sums in the main loop, K tail
-            {FLASHNORM_DTYPE_BF16, epilogue, 200, 2056, {4096, 1024, 1024}, 0, false}, // 128x128, last block in atoms
+            {FLASHNORM_DTYPE_BF16, epilogue, 200, 2056, {4096, 1024, 1024}, 0, false}, // 128x96 clusters, last block in atoms
+            {FLASHNORM_DTYPE_F16, epilogue, 560, 2056, {2048, 512, 512}, 0, false},    // 128x128, last block in atoms
             {FLASHNORM_DTYPE_F16, epilogue, 3900, 576, {576, 192, 192}, 0, false},   // a cluster's 2nd block past x
             {FLASHNORM_DTYPE_BF16, epilogue, 7, 64, {32, 24}, 200000, false},     // delayed reduction
             {FLASHNORM_DTYPE_BF16, epilogue, 70, 256, {64, 64, 64}, 100000, true}, // captured, delayed
