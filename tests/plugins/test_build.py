@@ -254,6 +254,9 @@ def test_auto_epilogue_scale_region(built_library, epilogue_scale_built, monkeyp
                          (583, "two_stream"), (584, region), (640, region), (641, "two_stream"), (768, "two_stream"),
                          (863, "two_stream"), (864, region), (896, region), (897, "two_stream"), (991, "two_stream"),
                          (992, region), (1024, region), (1025, "two_stream"), (1280, "prenorm")))
+    # 38 columns of 128×96 tiles over three row blocks: 114 tiles, but clusters pair the row blocks
+    # and run 152 blocks, more than one wave.
+    check(2048, [2048, 1024, 512], ((320, "two_stream"), (384, "two_stream")))
     assert cuda_ops.resolve_strategy(64, 2040, 3072, torch.bfloat16, qkv_1b) == "two_stream"
     assert cuda_ops.resolve_strategy(64, 4096, 6144, torch.float32, qkv_8b) == "two_stream"
     assert cuda_ops.resolve_strategy(64, 4096, 28672, torch.bfloat16, [14336, 14336]) == "prenorm"

@@ -101,7 +101,7 @@ bool wide_tiles_fit(int64_t m, int64_t k, int64_t n, int sm_count)
 //   multiprocessors idle; 128×256 clusters where wide_tiles_fit. Ping-pong 64×128 / 64×256 tiles
 //   measured slower there, on long K or at 4096 rows.
 // - On long K, one wave of 128×96 tiles in clusters of two along M (each pair shares its W* tile
-//   through TMA multicast) at least 70 % full: 2026-12-04 (benchmarks/epilogue_scale_tiles.py; the
+//   through TMA multicast) at least 70 % full, counting a pair's blocks for an odd last row block: 2026-12-04 (benchmarks/epilogue_scale_tiles.py; the
 //   tile and cluster cuBLAS runs there), Llama-3.2-1B q|k|v at 384 rows 14.1 µs on 96 tiles against
 //   15.6 on 72 of 128×128, at 448 and 512 rows 14.2 and 14.6 on 128 tiles against 16.2 and 16.5 on
 //   96 of 128×128 (16.1 and 16.7 on 128×96 tiles without clusters); Llama-3.1-8B q|k|v at 192 and
@@ -142,7 +142,9 @@ EpilogueScaleTiles epilogue_scale_tiles(int64_t m, int64_t k, int64_t n, int sm_
     if (m > 128)
     {
         bool const long_k = k > kRowSumsMaxK;
-        if (long_k && fills_one_wave(tile_count(m, n, 128, 96), sm_count))
+        // Blocks run in pairs of row blocks, so an odd last row block still takes a pair's blocks.
+        int64_t const paired_blocks = 2 * tile_count(m, n, 256, 96);
+        if (long_k && paired_blocks <= sm_count && fills_one_wave(tile_count(m, n, 128, 96), sm_count))
         {
             return EpilogueScaleTiles::kOneWaveClusters128x96;
         }
