@@ -101,11 +101,12 @@ bool wide_tiles_fit(int64_t m, int64_t k, int64_t n, int sm_count)
 //   multiprocessors idle; 128×256 clusters where wide_tiles_fit. Ping-pong 64×128 / 64×256 tiles
 //   measured slower there, on long K or at 4096 rows.
 // - On long K, one wave of 128×96 tiles in clusters of two along M (each pair shares its W* tile
-//   through TMA multicast) at least 70 % full, counting a pair's blocks for an odd last row block: 2026-12-04 (benchmarks/epilogue_scale_tiles.py; the
-//   tile and cluster cuBLAS runs there), Llama-3.2-1B q|k|v at 384 rows 14.1 µs on 96 tiles against
-//   15.6 on 72 of 128×128, at 448 and 512 rows 14.2 and 14.6 on 128 tiles against 16.2 and 16.5 on
-//   96 of 128×128 (16.1 and 16.7 on 128×96 tiles without clusters); Llama-3.1-8B q|k|v at 192 and
-//   256 rows 23.6 and 25.4 against 26.2 and 26.1 on 96 of 128×128 (28.3 and 29.4 without clusters).
+//   through TMA multicast) at least 70 % full, counting a pair's blocks for an odd last row block:
+//   2026-12-04 (benchmarks/epilogue_scale_tiles.py; the tile and cluster shape cuBLAS runs there),
+//   Llama-3.2-1B q|k|v at 384 rows 14.1 µs on 96 tiles against 15.6 on 72 of 128×128, at 448 and
+//   512 rows 14.2 and 14.6 on 128 tiles against 16.2 and 16.5 on 96 of 128×128 (16.1 and 16.7 on
+//   128×96 tiles without clusters); Llama-3.1-8B q|k|v at 192 and 256 rows 23.6 and 25.4 against
+//   26.2 and 26.1 on 96 of 128×128 (28.3 and 29.4 without clusters).
 // - Else on long K, one wave of 128×128 tiles at least 70 % full ahead of the 64-row tiles, and then
 //   one of 128×64 tiles: 2026-12-03, Llama-3.1-8B q|k|v at 256 rows 25.9 µs on 96 tiles against 45 on
 //   ping-pong 64×64 ones, at 160 rows 25.8 (a partial last row block: PartialRowBlockMainloop)
