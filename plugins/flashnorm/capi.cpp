@@ -209,35 +209,53 @@ int64_t prenorm_min_rows(flashnorm_problem const& problem)
     return std::max(rows, kAuto.prenorm_min_rows);
 }
 
+// AUTO's one-wave rule for a tile configuration: how full the wave must be, how full its last
+// row block (sixteenths of a 128-row tile), and from how many row blocks any last block will do
+// (0: never).
+struct OneWaveRule
+{
+    int64_t fill_percent;
+    int64_t last_block_sixteenths;
+    int64_t any_last_block_row_blocks;
+};
+
+// 128×192 tiles by their own two entries (their one wave at 73 % and a last row block of 72 rows
+// measured slower than two_stream on K = 4096), 128×96 clusters by theirs (over two or three row
+// blocks a last one of 64 rows measured faster than two_stream, of 1 to 48 rows slower; over four,
+// any), every other configuration by the common two.
+OneWaveRule one_wave_rule(flashnorm::EpilogueScaleTiles configuration)
+{
+    switch (configuration)
+    {
+    case flashnorm::EpilogueScaleTiles::kOneWave128x192:
+        return {kAuto.epilogue_scale_192_column_fill_percent, kAuto.epilogue_scale_192_column_last_block_sixteenths, 0};
+    case flashnorm::EpilogueScaleTiles::kOneWaveClusters128x96:
+        return {kAuto.epilogue_scale_one_wave_fill_percent, kAuto.epilogue_scale_96_column_last_block_sixteenths,
+            kAuto.epilogue_scale_96_column_row_blocks};
+    default: return {kAuto.epilogue_scale_one_wave_fill_percent, kAuto.epilogue_scale_last_block_sixteenths, 0};
+    }
+}
+
 // Whether the epilogue-scale GEMM's tiles for this problem (on the H200's multiprocessors) run in
-// one wave that AUTO takes: at least epilogue_scale_one_wave_fill_percent % full, 64-row tiles
-// summing the rows in the main loop on long K in one row block only, 128-row tiles with a last row
-// block at least epilogue_scale_last_block_sixteenths / 16 full; 128×192 tiles by their own two
-// entries (their one wave at 73 % and a last row block of 72 rows measured slower than two_stream
-// on K = 4096), 128×96 clusters by theirs (over two or three row blocks a last one of 64 rows
-// measured faster than two_stream, of 1 to 48 rows slower; over four, any).
+// one wave that AUTO takes (one_wave_rule): full enough, 64-row tiles summing the rows in the main
+// loop on long K in one row block only, 128-row tiles with a full enough last row block.
 bool epilogue_scale_one_wave_taken(flashnorm_problem const& problem)
 {
     int const multiprocessors = kAuto.epilogue_scale_multiprocessors;
     flashnorm::EpilogueScaleTiles const configuration
         = flashnorm::epilogue_scale_tiles(problem.m, problem.k, problem.n, multiprocessors);
     flashnorm::EpilogueScaleTileShape const tile = flashnorm::epilogue_scale_tile_shape(configuration);
+    OneWaveRule const rule = one_wave_rule(configuration);
     int64_t const tiles = flashnorm::tile_count(problem.m, problem.n, tile.rows, tile.columns);
-    bool const columns_192 = configuration == flashnorm::EpilogueScaleTiles::kOneWave128x192;
-    bool const columns_96 = configuration == flashnorm::EpilogueScaleTiles::kOneWaveClusters128x96;
-    int64_t const fill_percent
-        = columns_192 ? kAuto.epilogue_scale_192_column_fill_percent : kAuto.epilogue_scale_one_wave_fill_percent;
-    int64_t const last_block_sixteenths = columns_192 ? kAuto.epilogue_scale_192_column_last_block_sixteenths
-        : columns_96                                  ? kAuto.epilogue_scale_96_column_last_block_sixteenths
-                                                      : kAuto.epilogue_scale_last_block_sixteenths;
-    if (!tile.one_wave || 100 * tiles < fill_percent * multiprocessors)
+    if (!tile.one_wave || 100 * tiles < rule.fill_percent * multiprocessors)
         return false;
     if (tile.row_sums && problem.k > kAuto.epilogue_scale_max_k)
         return problem.m <= tile.rows;
-    if (columns_96 && (problem.m + tile.rows - 1) / tile.rows >= kAuto.epilogue_scale_96_column_row_blocks)
+    int64_t const row_blocks = (problem.m + tile.rows - 1) / tile.rows;
+    if (rule.any_last_block_row_blocks > 0 && row_blocks >= rule.any_last_block_row_blocks)
         return true;
     int64_t const last_block_rows = (problem.m - 1) % tile.rows + 1;
-    return tile.rows < 128 || 16 * last_block_rows >= last_block_sixteenths * tile.rows;
+    return tile.rows < 128 || 16 * last_block_rows >= rule.last_block_sixteenths * tile.rows;
 }
 
 // AUTO's epilogue-scale region. Whether the device and the pointers allow it is known only at
