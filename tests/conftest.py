@@ -31,10 +31,12 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture
 def rng(request):
-    """A fresh, differently seeded generator for every test run (never zeros, never fixed)."""
+    """A fresh, differently seeded generator for every test run (never zeros, never fixed).
+    FLASHNORM_TEST_SEED=<printed seed> replays a failed run."""
     import numpy as np
 
-    seed = np.random.SeedSequence().entropy % (2**32)
+    replay = os.environ.get("FLASHNORM_TEST_SEED")
+    seed = int(replay) if replay else np.random.SeedSequence().entropy % (2**32)
     print(f"rng seed for {request.node.name}: {seed}")
     return np.random.default_rng(seed)
 

@@ -189,8 +189,10 @@ def test_fold_cancel_exact(case: Case, dynamo: bool, tmp_path, rng):
     feeds = [language_model_feeds(signature, ids)]
     comparison = compare_models(original, optimized, feeds, max_rel_l2=1e-5)
     logits = comparison.output("logits")
+    # No top-1 assertion: random weights leave near-tied logits (seen: a lead of 1.2e-6 at a
+    # max |logit| of 6.6 flipped by rounding), and a flip can only happen where the lead is below
+    # 2 × max_abs, which the scaled_max_abs bound already holds to 2e-5 of the logits' scale.
     assert logits.rel_l2 < 1e-5 and logits.scaled_max_abs < 1e-5, logits
-    assert logits.top1_agreement == 1.0, logits
     assert comparison.passed, logits
 
 
@@ -295,7 +297,8 @@ def test_deferred_runs_in_onnx_runtime_and_builds_in_tensorrt_rtx(case: Case, tm
     tokens = ShapeRange((1, 1), (1, 64), (1, 512))
     for candidate in (deferred, sanitized):
         logits = compare_models(folded, candidate, feeds, max_rel_l2=1e-5).output("logits")
-        assert logits.rel_l2 < 1e-5 and logits.top1_agreement == 1.0, (candidate.name, logits)
+        # Bounded as in test_fold_cancel_exact: no top-1 assertion on near-tied logits.
+        assert logits.rel_l2 < 1e-5 and logits.scaled_max_abs < 1e-5, (candidate.name, logits)
         _, build = build_serialized_engine(candidate, BuildOptions(
             backend="tensorrt-rtx", shapes={name: tokens for name in signature.input_names}, optimization_level=0,
             progress=False))
