@@ -2,6 +2,7 @@
 
     python benchmarks/kernel_benchmark.py --out DIR          # GPU: writes DIR/kernels.md, DIR/kernels.json
     python benchmarks/kernel_benchmark.py --smoke            # CPU: tiny shapes, wall clock, checks the script
+    python benchmarks/kernel_benchmark.py --out DIR --shape 3072:3072,1024,1024   # a site of your own: K:splits
 
 What is measured. Every column is the median time of one call, in µs, under CUDA-graph
 replay: a graph captures one call on each of R input sets in turn (x, W, gain, outputs), is
@@ -469,17 +470,34 @@ def _smoke_op(x, w, eps, splits, strategy, out):
     return out
 
 
+def parse_shape(text: str) -> Site:
+    """`K:N1,N2,...` (a site's K and its split widths) as a Site named by it."""
+    try:
+        k, splits = text.split(":")
+        site = Site("shape", text, int(k), tuple(int(n) for n in splits.split(",")))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not K:N1,N2,... (e.g. 3072:3072,1024,1024)") from None
+    if site.k <= 0 or min(site.splits) <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: K and every split must be positive")
+    return site
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "out")), help="folder for kernels.md/json")
     parser.add_argument("--m", type=int, nargs="+", default=list(TOKEN_COUNTS), help="token counts M")
     parser.add_argument("--sites", nargs="+", default=None, help="site labels to keep, e.g. 'SmolLM2-135M qkv'")
+    parser.add_argument(
+        "--shape", type=parse_shape, action="append", default=[], metavar="K:N1,N2,...",
+        help="also time a site of this K and these splits (repeatable); alone, without --sites, only these",
+    )
     parser.add_argument("--replays", type=int, default=25, help="timed graph replays per measurement")
     parser.add_argument("--fused-max-m", type=int, default=256, help="time the fused strategy only up to this M")
     parser.add_argument("--smoke", action="store_true", help="CPU check of the script: tiny shapes, wall clock")
     args = parser.parse_args(argv)
 
-    sites = [s for s in SITES if args.sites is None or s.label in args.sites]
+    table_sites = [s for s in SITES if args.sites is None or s.label in args.sites]
+    sites = ([] if args.shape and args.sites is None else table_sites) + args.shape
     if args.smoke:
         device, dtype = torch.device("cpu"), torch.float32
         sites = [Site(s.model, s.name, s.k // 8, tuple(n // 8 for n in s.splits)) for s in sites[:2]]

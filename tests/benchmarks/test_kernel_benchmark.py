@@ -5,6 +5,8 @@ import json
 import sys
 from pathlib import Path
 
+import pytest
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 
 import kernel_benchmark  # noqa: E402
@@ -42,3 +44,21 @@ def test_floor_forbids_the_speedup_only_below_1_30_floors() -> None:
     assert not kernel_benchmark.floor_forbids_speedup(1, {"rms+gemm": 23.6}, 15.6)
     assert not kernel_benchmark.floor_forbids_speedup(1024, {"rms+gemm": 65.3}, 54.6)
     assert not kernel_benchmark.floor_forbids_speedup(1, {"rms+gemm": None}, 54.6)
+
+
+def test_a_shape_of_ones_own_is_timed_alone_or_beside_the_chosen_sites(tmp_path: Path) -> None:
+    assert kernel_benchmark.main(["--smoke", "--out", str(tmp_path), "--m", "4", "--replays", "1",
+                                  "--shape", "256:128,64"]) == 0
+    rows = json.loads((tmp_path / "kernels.json").read_text())["rows"]
+    assert [(row["site"], row["k"], row["splits"]) for row in rows] == [("256:128,64", 32, [16, 8])]
+    assert kernel_benchmark.main(["--smoke", "--out", str(tmp_path), "--m", "4", "--replays", "1",
+                                  "--sites", "SmolLM2-135M qkv", "--shape", "256:128,64"]) == 0
+    rows = json.loads((tmp_path / "kernels.json").read_text())["rows"]
+    assert [row["site"] for row in rows] == ["qkv", "256:128,64"]
+
+
+@pytest.mark.parametrize("text", ["3072", "3072:", "a:1,2", "3072:1024,0", "-8:64"])
+def test_a_malformed_shape_is_refused_with_its_form(text: str) -> None:
+    with pytest.raises(SystemExit) as refused:
+        kernel_benchmark.main(["--smoke", "--shape", text])
+    assert refused.value.code == 2
