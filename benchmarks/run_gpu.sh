@@ -58,6 +58,11 @@ if [ "$normal_rc" -ne 0 ]; then
   tail -n 40 "$OUT/build.log"
   exit 1
 fi
+# Without CUTLASS, AUTO never picks the epilogue-scale GEMM: the tables would measure another library.
+if grep -q "epilogue-scale strategy NOT built" "$OUT/build.log"; then
+  say "build: no CUTLASS headers, so no epilogue-scale GEMM (pip install nvidia-cutlass==4.2.0.0, or -DFLASHNORM_CUTLASS_INCLUDE=...)"
+  exit 1
+fi
 
 pytest_run() {  # pytest_run LIBRARY LOG TIMEOUT [pytest args...]
   local library=$1 log=$2 limit=$3
