@@ -58,7 +58,7 @@ def test_os_error_is_one_line(tool, capsys):
 def test_interrupt_exits_130(tool, capsys):
     tool.action = _raise(KeyboardInterrupt())
     assert cli.main(["probe", "1"]) == 130
-    assert capsys.readouterr().err == "flashnorm probe: interrupted\n"
+    assert capsys.readouterr().err.startswith("flashnorm probe: stopped by SIGINT;")
 
 
 def test_programming_errors_are_not_hidden(tool):
@@ -68,13 +68,11 @@ def test_programming_errors_are_not_hidden(tool):
 
 
 @pytest.mark.parametrize("argv", [[], ["no-such-command"], ["probe"], ["probe", "not-a-number"], ["probe", "1", "--bogus"]])
-def test_bad_arguments_exit_2_with_usage(tool, capsys, argv):
+def test_bad_arguments_exit_2_with_one_line(tool, capsys, argv):
     tool.action = lambda args: pytest.fail("must not run")
-    with pytest.raises(SystemExit) as excinfo:
-        cli.main(argv)
-    assert excinfo.value.code == 2
+    assert cli.main(argv) == 2
     err = capsys.readouterr().err
-    assert err.startswith("usage: flashnorm") and "error:" in err
+    assert err.startswith("flashnorm") and "error:" in err and err.count("\n") == 1, err
 
 
 def test_report_as_text_json_and_file(tool, capsys, tmp_path, rng):

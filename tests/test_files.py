@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import stat
 from pathlib import Path
 
 import pytest
@@ -74,24 +75,49 @@ def test_adopted_file_is_renamed_into_place(tmp_path):
     assert list(scratch.iterdir()) == []
 
 
+def _written_by_flashnorm(target):
+    with files.staged_directory(target, force=False) as staging:
+        (staging / "old.txt").write_text("old")
+
+
 def test_staged_directory_keeps_the_old_repository_when_the_new_one_fails(tmp_path):
     target = tmp_path / "repo"
-    target.mkdir()
-    (target / "old.txt").write_text("old")
+    _written_by_flashnorm(target)
     with pytest.raises(RuntimeError):
         with files.staged_directory(target, force=True) as staging:
             (staging / "new.txt").write_text("new")
             raise RuntimeError("interrupted")
-    assert [p.name for p in target.iterdir()] == ["old.txt"]
+    assert sorted(p.name for p in target.iterdir()) == [files.MARKER, "old.txt"]
     assert _leftovers(tmp_path) == []
 
 
 def test_staged_directory_replaces_the_old_one(tmp_path):
     target = tmp_path / "repo"
-    target.mkdir()
-    (target / "old.txt").write_text("old")
+    _written_by_flashnorm(target)
     with files.staged_directory(target, force=True) as staging:
         (staging / "sub").mkdir()
         (staging / "sub" / "new.txt").write_text("new")
-    assert [p.relative_to(target).as_posix() for p in sorted(target.rglob("*"))] == ["sub", "sub/new.txt"]
+    written = [p.relative_to(target).as_posix() for p in sorted(target.rglob("*"))]
+    assert written == [files.MARKER, "sub", "sub/new.txt"]
     assert _leftovers(tmp_path) == []
+
+
+def test_staged_directory_force_never_replaces_a_folder_flashnorm_did_not_write(tmp_path):
+    target = tmp_path / "project"
+    target.mkdir()
+    (target / "notes.txt").write_text("mine")
+    with pytest.raises(FlashNormError, match="not written by flashnorm"):
+        with files.staged_directory(target, force=True):
+            pytest.fail("must not start")
+    assert [p.name for p in target.iterdir()] == ["notes.txt"]
+    assert _leftovers(tmp_path) == []
+
+
+def test_staged_directory_is_created_with_the_umask(tmp_path):
+    previous = os.umask(0o022)
+    try:
+        with files.staged_directory(tmp_path / "repo", force=False) as staging:
+            (staging / "file.txt").write_text("x")
+    finally:
+        os.umask(previous)
+    assert stat.S_IMODE((tmp_path / "repo").stat().st_mode) == 0o755

@@ -10,11 +10,14 @@ import argparse
 import importlib
 import importlib.util
 import json
+import os
 import sys
-from typing import Any, Sequence
+from pathlib import Path
+from typing import Any, NoReturn, Sequence
 
-from flashnorm import __version__
+from flashnorm import __version__, signals
 from flashnorm.errors import FlashNormError
+from flashnorm.paths import Output, check_paths
 from flashnorm.progress import Progress
 from flashnorm.tools.options import add_output_options
 
@@ -45,13 +48,25 @@ def _tool(name: str):
         raise
 
 
+class _UsageError(Exception):
+    """A command line argparse refused: `main` prints it as one line and returns 2."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, with a usage error as one line on stderr (exit 2) instead of the usage text
+    followed by the error: every bad input gets one line."""
+
+    def error(self, message: str) -> NoReturn:
+        raise _UsageError(f"{self.prog}: error: {message} (see {self.prog} --help)")
+
+
 def build_parser(argv: Sequence[str]) -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="flashnorm",
         description="FlashNorm: fold, cancel and defer RMSNorm in ONNX transformers; build TensorRT engines and Triton repositories.",
     )
     parser.add_argument("--version", action="version", version=f"flashnorm {__version__}")
-    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     subparsers.required = True
     wanted = next((a for a in argv if a in COMMANDS), None)
     for name, (_, help_text) in COMMANDS.items():
@@ -96,6 +111,30 @@ def _quiet_graphsurgeon() -> None:
     G_LOGGER.severity = max(G_LOGGER.severity, G_LOGGER.ERROR)
 
 
+def _quiet_progress() -> None:
+    """-q: no progress bar of ours, and none of a third party's (tqdm reads TQDM_DISABLE,
+    Hugging Face's libraries HF_HUB_DISABLE_PROGRESS_BARS and TRANSFORMERS_VERBOSITY) in this
+    process or any it starts."""
+    Progress.enabled = False
+    os.environ["TQDM_DISABLE"] = "1"
+    os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] = "1"
+    os.environ["TRANSFORMERS_VERBOSITY"] = "error"
+    if "transformers" in sys.modules:
+        from transformers.utils import logging as transformers_logging
+
+        transformers_logging.disable_progress_bar()
+
+
+def _check_paths(tool: Any, args: argparse.Namespace) -> None:
+    """The path guard (flashnorm.paths) over what the command declares it reads and writes,
+    its --report included, before any work starts."""
+    declared = getattr(tool, "paths", None)
+    inputs, outputs = declared(args) if declared is not None else ([], [])
+    if args.report and args.report != "-":
+        outputs = [*outputs, Output("report", Path(args.report))]
+    check_paths(inputs, outputs, force=getattr(args, "force", False))
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     command = next((a for a in argv if a in COMMANDS), "")
@@ -104,40 +143,48 @@ def main(argv: Sequence[str] | None = None) -> int:
     except FlashNormError as exc:
         print(f"flashnorm {command}: error: {exc}", file=sys.stderr)
         return exc.exit_code
-    args = parser.parse_args(argv)
+    try:
+        args = parser.parse_args(argv)
+    except _UsageError as exc:
+        print(exc, file=sys.stderr)
+        return FlashNormError.exit_code
     if args.quiet:
-        Progress.enabled = False
+        _quiet_progress()
     _quiet_graphsurgeon()
     tool = _tool(args.command)
-    try:
-        report = tool.run(args)
-    except FlashNormError as exc:
-        print(f"flashnorm {args.command}: {exc.label}: {exc}", file=sys.stderr)
-        return exc.exit_code
-    except OSError as exc:  # the disk or the file system said no: not a FlashNorm bug
-        print(f"flashnorm {args.command}: error: {exc}", file=sys.stderr)
-        return FlashNormError.exit_code
-    except KeyboardInterrupt:
-        print(f"flashnorm {args.command}: interrupted", file=sys.stderr)
-        return 130
-    from flashnorm.report import to_jsonable, write_json_report
+    with signals.handling_stops():
+        try:
+            _check_paths(tool, args)
+            report = tool.run(args)
+            if args.report and args.report != "-":
+                from flashnorm.report import write_json_report
+
+                write_json_report(args.report, report)
+        except FlashNormError as exc:
+            print(f"flashnorm {args.command}: {exc.label}: {exc}", file=sys.stderr)
+            return exc.exit_code
+        except OSError as exc:  # the disk or the file system said no: not a FlashNorm bug
+            print(f"flashnorm {args.command}: error: {exc}", file=sys.stderr)
+            return FlashNormError.exit_code
+        except MemoryError:
+            print(f"flashnorm {args.command}: error: out of memory (choose smaller sizes)", file=sys.stderr)
+            return FlashNormError.exit_code
+        except KeyboardInterrupt as exc:
+            what = "SIGTERM" if isinstance(exc, signals.Terminated) else "SIGINT"
+            print(f"flashnorm {args.command}: stopped by {what}; temporary files removed, existing outputs "
+                  "left as they were", file=sys.stderr)
+            return 143 if what == "SIGTERM" else 130
+    from flashnorm.report import to_jsonable
 
     if args.report == "-":
         print(json.dumps(to_jsonable(report), indent=2))
-    else:
-        if args.report:
-            try:
-                write_json_report(args.report, report)
-            except FlashNormError as exc:
-                print(f"flashnorm {args.command}: error: {exc}", file=sys.stderr)
-                return exc.exit_code
-        if not args.quiet and report is not None:
-            plain = to_jsonable(report)
-            format_text = getattr(tool, "format_text", None)  # a tool may render its own table
-            if format_text is not None:
-                print(format_text(plain, verbose=args.verbose))
-            else:
-                print("\n".join(_text(plain)) if isinstance(plain, (dict, list)) else plain)
+    elif not args.quiet and report is not None:
+        plain = to_jsonable(report)
+        format_text = getattr(tool, "format_text", None)  # a tool may render its own table
+        if format_text is not None:
+            print(format_text(plain, verbose=args.verbose))
+        else:
+            print("\n".join(_text(plain)) if isinstance(plain, (dict, list)) else plain)
     failed = isinstance(report, dict) and report.get("passed") is False
     return 1 if failed else 0
 

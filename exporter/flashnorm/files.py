@@ -120,22 +120,35 @@ def atomic_write(path: str | os.PathLike[str], mode: str = "wb") -> Iterator[IO]
         raise
 
 
+MARKER = ".flashnorm-output"
+"""The file flashnorm writes into every folder it creates as an output (Triton repositories,
+checkpoints): the proof `force` needs before a non-empty folder is replaced."""
+
+
 @contextlib.contextmanager
 def staged_directory(target: str | os.PathLike[str], force: bool) -> Iterator[Path]:
-    """Yield an empty folder beside `target`; on success its files are fsynced and it replaces
-    `target` (an old one is moved aside, then removed), on failure it vanishes.
+    """Yield a folder beside `target` holding only `MARKER`; on success its files are fsynced
+    and it replaces `target` (an old one is moved aside, then removed), on failure it vanishes.
+    The folder gets the permissions of the user's umask (0755 typically), not mkdtemp's 0700.
 
-    `target` may be missing or an empty folder; a non-empty one is replaced only with `force`.
+    `target` may be missing or an empty folder; a non-empty one is replaced only with `force`
+    and only if it holds `MARKER` (flashnorm wrote it): never a folder of someone else's.
     """
     target = Path(target).absolute()
     if target.exists() and not target.is_dir():
         raise FlashNormError(f"output {target} exists and is not a directory")
-    if target.is_dir() and any(target.iterdir()) and not force:
-        raise FlashNormError(f"output directory {target} is not empty (pass --force to replace it)")
+    if target.is_dir() and any(target.iterdir()):
+        if not force:
+            raise FlashNormError(f"output directory {target} is not empty (pass --force to replace it)")
+        if not (target / MARKER).is_file():
+            raise FlashNormError(f"output directory {target} is not empty and was not written by flashnorm "
+                                 f"(no {MARKER} in it); --force replaces only folders flashnorm wrote")
     if not target.parent.is_dir():
         raise FlashNormError(f"cannot write {target}: directory {target.parent} does not exist")
     staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent))
     try:
+        os.chmod(staging, 0o777 & ~umask())
+        (staging / MARKER).write_text("written by flashnorm; `--force` may replace this folder\n")
         yield staging
         _sync_tree(staging)
         if target.exists():

@@ -105,9 +105,13 @@ def test_non_empty_output_needs_force_and_force_replaces(tmp_path, engine_files)
     (repo / "keep.txt").write_text("user data")
     with pytest.raises(FlashNormError, match="not empty.*--force"):
         write_engine_repository(engine, plugin, _signature(), repo)
+    with pytest.raises(FlashNormError, match="not written by flashnorm"):
+        write_engine_repository(engine, plugin, _signature(), repo, force=True)
     assert sorted(p.name for p in repo.iterdir()) == ["keep.txt"]
+    (repo / "keep.txt").unlink()
+    write_engine_repository(engine, plugin, _signature(), repo, name="old")
     write_engine_repository(engine, plugin, _signature(), repo, name="m", force=True)
-    assert not (repo / "keep.txt").exists() and (repo / "m/config.pbtxt").is_file()
+    assert not (repo / "old").exists() and (repo / "m/config.pbtxt").is_file()
     assert _leftovers(tmp_path) == []
 
 
@@ -153,10 +157,12 @@ def test_engine_repository_with_request_checks_is_an_ensemble(tmp_path, engine_f
 
     engine, plugin = engine_files
     vocab, longest = int(rng.integers(100, 60000)), int(rng.integers(2, 1025))
+    typical = int(rng.integers(1, longest + 1))  # a profile's opt lies within [min, max]
     signature = dataclasses.replace(
         signature_from_io_specs(["in:input_ids:int64:-1,-1", "in:attention_mask:int64:-1,-1",
                                  f"out:logits:fp16:-1,-1,{vocab}"]),
-        profile=parse_shape_specs([f"input_ids:1x1,2x8,4x{longest}", f"attention_mask:1x1,2x8,4x{longest}"]),
+        profile=parse_shape_specs([f"input_ids:1x1,2x{typical},4x{longest}",
+                                   f"attention_mask:1x1,2x{typical},4x{longest}"]),
     )
     result = write_engine_repository(engine, plugin, signature, tmp_path / "repo", name="smol", max_batch_size=4,
                                      check_requests=True)

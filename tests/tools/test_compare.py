@@ -71,7 +71,7 @@ def test_given_ids_and_past(tiny_llama_onnx, tiny_folded, capsys):
 @pytest.mark.parametrize("argv_tail, message", [
     (["--input-ids", "1,500"], "[0, 128)"),
     (["--past-length", "4"], "needs a model with KV-cache inputs"),
-    (["--batch", "0"], "--batch must be at least 1"),
+    (["--batch", "0"], "argument --batch: must be at least 1"),
     (["--providers", "NoSuchExecutionProvider"], "available"),
 ])
 def test_bad_input_is_one_line(tiny_llama_onnx, tiny_folded, capsys, argv_tail, message):
@@ -263,7 +263,7 @@ def test_shapeless_input_is_refused(tmp_path, capsys):
     ("same", ["--input-shapes", "y:1x2x32"], "--input-shapes names ['y'], not inputs of the model"),
     ("same", ["--val-range", "x:1"], "bad --val-range 'x:1'"),
     ("same", ["--generate", "3", "--batch", "2"], "--batch/--generate: only for token models"),
-    ("same", ["--iterations", "0"], "--iterations must be at least 1"),
+    ("same", ["--iterations", "0"], "argument --iterations: must be at least 1"),
     ("fp16 candidate", [], "input x is float32 in the reference but float16 in the candidate"),
     ("fixed candidate", [], "input skip: the candidate declares [2, 5, 32] and cannot take the shape [1, 16, 32]"),
 ])

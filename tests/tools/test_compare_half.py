@@ -97,8 +97,8 @@ def test_budget_judges_instead_of_the_tolerances(budget_trio, tmp_path, capsys):
 @pytest.mark.parametrize("case,message", [
     ("half", "not float32: the budget measures both half models against the fp32 export"),
     ("missing", "does not exist or is not a file"),
-    ("ratio", "--budget-ratio must be positive"),
-    ("points", "--budget-top1-points must be 0 or more"),
+    ("ratio", "argument --budget-ratio: must be greater than 0"),
+    ("points", "argument --budget-top1-points: must be at least 0"),
 ])
 def test_bad_budget_input_is_one_line(budget_trio, tmp_path, capsys, case, message):
     fp32, half, optimized = budget_trio

@@ -70,7 +70,7 @@ def _error(capsys) -> str:
     (["--onnx", "{onnx}", "--backend", "python", "--outputs", "logits"], r"unknown output name\(s\) \['logits'\]"),
     (["--onnx", "{onnx}", "--backend", "python", "--engine", "{engine}"], "--engine applies to --backend tensorrt"),
     (["--onnx", "{tmp}/absent.onnx", "--backend", "python"], "model .*absent.onnx does not exist or is not a file"),
-    (["--onnx", "{onnx}", "--backend", "python", "--instances", "0"], "--instances must be >= 1"),
+    (["--onnx", "{onnx}", "--backend", "python", "--instances", "0"], "argument --instances: must be at least 1"),
     (["--onnx", "{onnx}", "--backend", "python", "--shapes", "x:1x2,1x2,1x2"], "--shapes applies to --backend tensorrt"),
     (["--onnx", "{onnx}", "--backend", "python", "--check-requests"], "--check-requests applies to --backend tensorrt"),
     (["--engine", "{engine}", "--plugin", "{plugin}", "--io", "in:x:fp32:-1,4", "--io", "out:y:fp64:-1,4"],

@@ -19,8 +19,9 @@ from pathlib import Path
 from typing import Any, Mapping, Optional, Sequence
 
 import onnx
+from google.protobuf.message import DecodeError
 
-from flashnorm import contract
+from flashnorm import contract, signals
 from flashnorm.engine.loader import (
     RTX_HAS_NO_PLUGINS, Backend, import_backend, load_plugins, registered_flashnorm_creators,
 )
@@ -48,7 +49,10 @@ class BuildOptions:
 def flashnorm_node_names(onnx_path: str | os.PathLike[str]) -> list[str]:
     """Names of the FlashNormMatMul<N> nodes of a model (read without its weights). A model
     written with the older encoding is refused with what to do."""
-    model = onnx.load(os.fspath(onnx_path), load_external_data=False)
+    try:
+        model = onnx.load(os.fspath(onnx_path), load_external_data=False)
+    except DecodeError:
+        raise FlashNormError(f"{onnx_path} is not an ONNX model: protobuf parse failed") from None
     legacy = contract.legacy_encoding(((n.op_type, n.domain) for n in model.graph.node),
                                       ((f.name, f.domain, f.overload) for f in model.functions))
     if legacy:
@@ -252,6 +256,8 @@ def build_serialized_engine(onnx_path: str | os.PathLike[str], options: BuildOpt
     start = time.monotonic()
     serialized = builder.build_serialized_network(network, config)
     seconds = time.monotonic() - start
+    if serialized is None and signals.stop_requested():
+        signals.raise_stop()
     if serialized is None:
         raise FlashNormError(f"{backend.describe()} could not build an engine from {source} (see its messages above)")
     plan = bytes(memoryview(serialized))

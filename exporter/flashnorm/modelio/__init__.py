@@ -12,7 +12,7 @@ One job per module: `values` (lazy tensor values), `wire` (the protobuf reader),
 Nothing here imports a pass.
 """
 
-from flashnorm.modelio.loading import ModelInterface, load, read_header, read_interface
+from flashnorm.modelio.loading import ModelInterface, external_data_files, load, read_header, read_interface
 from flashnorm.modelio.modelgraph import ModelGraph
 from flashnorm.modelio.saving import EXTERNAL_DATA_THRESHOLD, INLINE_TENSOR_BYTES, save
 from flashnorm.modelio.values import DerivedValues, ExternalValues, tensor_nbytes
@@ -24,6 +24,7 @@ __all__ = [
     "ExternalValues",
     "ModelGraph",
     "ModelInterface",
+    "external_data_files",
     "load",
     "read_header",
     "read_interface",

@@ -145,3 +145,12 @@ def _readable_model_file(path: str | os.PathLike[str]) -> Path:
         raise FlashNormError(f"model file {source} is not readable")
     return source
 
+
+def external_data_files(path: str | os.PathLike[str]) -> list[Path]:
+    """The external-data files an ONNX model names (resolved beside it), read without its
+    weights. Raises FlashNormError (one line) for a file that is not ONNX."""
+    model = read_header(path)
+    base = Path(os.path.realpath(path)).parent
+    locations = {entry.value for tensor in _get_all_tensors(model) if uses_external_data(tensor)
+                 for entry in tensor.external_data if entry.key == "location"}
+    return sorted(base / location for location in locations if location)

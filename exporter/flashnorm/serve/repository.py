@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Sequence
 
 from flashnorm.errors import FlashNormError, require_file
-from flashnorm.files import staged_directory
+from flashnorm.files import MARKER, staged_directory
 from flashnorm.serve.config import EnsembleStep, ModelConfigOptions, validated_model_config
 from flashnorm.serve.engine_profile import check_engine_signature
 from flashnorm.serve.tensors import TritonSignature
@@ -209,7 +209,7 @@ Triton treats every top-level folder of a repository as a model.
         for model, text in configs.items():
             (staging / model / "config.pbtxt").write_text(text)
         (staging / "README.md").write_text(readme)
-        files = sorted(str(p.relative_to(staging)) for p in staging.rglob("*") if p.is_file())
+        files = _model_files(staging)
     return RepositoryResult(target, name, configs[name], command, files, unchecked)
 
 
@@ -340,5 +340,10 @@ libraries and the venv Python's `libpython` folder to `LD_LIBRARY_PATH`, and put
         shutil.copyfile(_PYTHON_MODEL_TEMPLATE, version_dir / "model.py")
         (staging / name / "config.pbtxt").write_text(config_text)
         (staging / "README.md").write_text(readme)
-        files = sorted(str(p.relative_to(staging)) for p in staging.rglob("*") if p.is_file())
+        files = _model_files(staging)
     return RepositoryResult(target, name, config_text, command, files)
+
+
+def _model_files(staging: Path) -> list[str]:
+    """The repository's files, as the report lists them: all but flashnorm's own marker."""
+    return sorted(str(p.relative_to(staging)) for p in staging.rglob("*") if p.is_file() and p.name != MARKER)

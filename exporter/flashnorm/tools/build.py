@@ -7,12 +7,13 @@ install and exits non-zero."""
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 from typing import Any
 
 from flashnorm.engine.build import BuildOptions, build_engine_file
 from flashnorm.engine.shapes import parse_shape_specs
-from flashnorm.errors import FlashNormError
-from flashnorm.tools.options import add_tensorrt_options
+from flashnorm.paths import Input, Output
+from flashnorm.tools.options import add_tensorrt_options, file_inputs, onnx_inputs, positive
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -25,15 +26,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--timing-cache", metavar="PATH",
                         help="read tactic timings from PATH if it exists, and write them back after the build "
                              "(TensorRT; TensorRT-RTX picks kernels at run time and ignores it)")
-    parser.add_argument("--workspace", type=int, metavar="MIB", help="builder workspace limit in MiB")
+    parser.add_argument("--workspace", type=positive(int), metavar="MIB", help="builder workspace limit in MiB")
     parser.add_argument("--optimization-level", type=int, choices=range(6), metavar="0-5",
                         help="the builder's optimization level (TensorRT's default 3; lower builds faster, "
                              "higher searches more kernels)")
 
 
+def paths(args: argparse.Namespace) -> tuple[list[Input], list[Output]]:
+    outputs = [Output("engine", Path(args.output))]
+    if args.timing_cache:
+        outputs.append(Output("timing cache", Path(args.timing_cache)))
+    return onnx_inputs("model", args.model) + file_inputs("plugin library", args.plugin), outputs
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    if args.workspace is not None and args.workspace <= 0:
-        raise FlashNormError(f"--workspace must be a positive number of MiB, got {args.workspace}")
     options = BuildOptions(
         plugins=args.plugin,
         shapes=parse_shape_specs(args.shapes),

@@ -18,7 +18,15 @@ from typing import Any
 import numpy as np
 
 from flashnorm.errors import FlashNormError
-from flashnorm.tools.options import add_model_input_options, add_tensorrt_options
+from flashnorm.paths import Input, Output
+from flashnorm.tools.options import (
+    add_model_input_options,
+    add_tensorrt_options,
+    at_least,
+    file_inputs,
+    onnx_inputs,
+    positive,
+)
 from flashnorm.validate.budget import MAX_RATIO, MAX_TOP1_DROP_POINTS
 from flashnorm.validate.comparison import DEFAULT_ATOL, DEFAULT_MAX_REL_L2, DEFAULT_RTOL
 from flashnorm.validate.feeds import FeedOptions, build_feeds
@@ -30,24 +38,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("candidate", help="the model under test (e.g. the FlashNorm-optimized one)")
     add_model_input_options(parser)
     limits = parser.add_argument_group("pass/fail")
-    limits.add_argument("--atol", type=float, default=DEFAULT_ATOL,
+    limits.add_argument("--atol", type=at_least(0.0, float), default=DEFAULT_ATOL,
                         help=f"absolute tolerance, elementwise (default {DEFAULT_ATOL:g})")
-    limits.add_argument("--rtol", type=float, default=DEFAULT_RTOL,
+    limits.add_argument("--rtol", type=at_least(0.0, float), default=DEFAULT_RTOL,
                         help=f"relative tolerance, elementwise; an element fails only beyond both (default {DEFAULT_RTOL:g})")
-    limits.add_argument("--max-rel-l2", type=float, default=DEFAULT_MAX_REL_L2,
+    limits.add_argument("--max-rel-l2", type=at_least(0.0, float), default=DEFAULT_MAX_REL_L2,
                         help=f"largest allowed ‖a−b‖₂/‖ref‖₂ per output (default {DEFAULT_MAX_REL_L2:g})")
     limits.add_argument("--budget", metavar="FP32_MODEL",
                         help="judge a half-precision candidate by the error budget instead of the tolerances: "
                              "FP32_MODEL is the fp32 export of the same model; per output the candidate's rel L2 "
                              "error against it at most --budget-ratio times the reference's, and for logits its "
                              "top-1 agreement at most --budget-top1-points lower (docs/HALF_PRECISION.md)")
-    limits.add_argument("--budget-ratio", type=float, default=MAX_RATIO, metavar="R",
+    limits.add_argument("--budget-ratio", type=positive(float), default=MAX_RATIO, metavar="R",
                         help=f"with --budget: the largest allowed error ratio (default {MAX_RATIO:g})")
-    limits.add_argument("--budget-top1-points", type=float, default=MAX_TOP1_DROP_POINTS, metavar="P",
+    limits.add_argument("--budget-top1-points", type=at_least(0.0, float), default=MAX_TOP1_DROP_POINTS, metavar="P",
                         help="with --budget: the largest allowed drop of top-1 agreement with the fp32 model, in "
                              f"percentage points (default {MAX_TOP1_DROP_POINTS:g}; one position of N moves it by "
                              "100/N, so judge it on thousands of positions)")
-    limits.add_argument("--generate", type=int, default=0, metavar="N",
+    limits.add_argument("--generate", type=at_least(0), default=0, metavar="N",
                         help="also generate N tokens greedily from both models on ONNX Runtime (even with "
                              "--trt/--engine: the engine is not run in a generation loop); fail if any differs")
     runtime = parser.add_argument_group("ONNX Runtime")
@@ -67,6 +75,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                           help="optimization profile for --trt (default: exactly the shapes of the inputs fed)")
 
 
+def paths(args: argparse.Namespace) -> tuple[list[Input], list[Output]]:
+    read = onnx_inputs("reference model", args.reference) + onnx_inputs("candidate model", args.candidate)
+    read += onnx_inputs("budget model", args.budget) + file_inputs("engine", [args.engine])
+    read += file_inputs("plugin library", args.plugin) + file_inputs("tokenizer", [args.tokenizer])
+    return read, []
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     from onnx import TensorProto
 
@@ -78,10 +93,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     providers = [p.strip() for p in args.providers.split(",") if p.strip()]
     if args.budget:
-        if not args.budget_ratio > 0:
-            raise FlashNormError(f"--budget-ratio must be positive, got {args.budget_ratio:g}")
-        if not args.budget_top1_points >= 0:
-            raise FlashNormError(f"--budget-top1-points must be 0 or more, got {args.budget_top1_points:g}")
         # Before any model runs: a missing file, a half "fp32" model or other inputs are one-line errors.
         check_same_inputs(args.budget, args.reference, args.candidate)
         kind = precision(args.budget)[0]

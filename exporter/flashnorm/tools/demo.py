@@ -12,7 +12,9 @@ from pathlib import Path
 from typing import Any
 
 from flashnorm.errors import FlashNormError, require_file
+from flashnorm.paths import Input, Output
 from flashnorm.report import grouped_reasons
+from flashnorm.tools.options import at_least, onnx_inputs
 
 MODEL = "smollm2-135m"
 # One fp32 ONNX file of SmolLM2-135M (134.5 M parameters), as measured: 539.5 MB.
@@ -36,10 +38,28 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--untie", action="store_true", help="also fold the final norm into a copy of the tied head")
     parser.add_argument("--text", default=TEXT, help="text whose logits are compared")
     parser.add_argument("--prompt", default=PROMPT, help="prompt for greedy generation")
-    parser.add_argument("--tokens", type=int, default=16, help="tokens to generate from each model (default 16)")
+    parser.add_argument("--tokens", type=at_least(1), default=16, help="tokens to generate from each model (default 16)")
     parser.add_argument("--dtype", default="fp32", metavar="TYPE",
                         help="export and optimize in this type (fp32, fp16, bf16; default fp32); half types compare "
                              "within HALF_REL_L2 × the type's unit roundoff instead of fp32's 1e-5")
+
+
+def _model_files(args: argparse.Namespace) -> tuple[Path | None, Path]:
+    """The exported model the demo writes (None with --exported) and the optimized one."""
+    from flashnorm.export.onnx_export import torch_dtype_name
+
+    suffix = "" if torch_dtype_name(args.dtype) == "float32" else f".{args.dtype}"
+    directory = Path(args.output_dir)
+    exported = None if args.exported else directory / f"{MODEL}{suffix}.onnx"
+    return exported, directory / f"{MODEL}{suffix}.flashnorm.onnx"
+
+
+def paths(args: argparse.Namespace) -> tuple[list[Input], list[Output]]:
+    exported, optimized = _model_files(args)
+    written = [optimized] if exported is None else [exported, optimized]
+    outputs = [Output(what, file, make_parents=True) for path in written
+               for what, file in (("model", path), ("model's external data", path.with_name(path.name + ".data")))]
+    return onnx_inputs("exported model", args.exported), outputs
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -70,15 +90,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         f"of {MODEL} to {directory}/ (about {needed / 1e9:.1f} GB; -o chooses another folder)")
     report: dict[str, Any] = {"model": MODEL, "output_dir": str(directory)}
 
+    to_export, optimized = _model_files(args)
     if exported:
         original = exported
         report["export"] = {"output": str(original), "reused": True}
     else:
-        suffix = "" if dtype == "float32" else f".{args.dtype}"
-        original = directory / f"{MODEL}{suffix}.onnx"
+        original = to_export
         report["export"] = export_source(source, original, dtype=dtype)
 
-    optimized = directory / f"{MODEL}{'' if dtype == 'float32' else '.' + args.dtype}.flashnorm.onnx"
     say(f"optimizing {original} → {optimized}")
     optimization = optimize_file(original, optimized, untie=args.untie)
     report["optimize"] = {k: optimization[k] for k in ("output", "norm_sites", "summary", "untie")}

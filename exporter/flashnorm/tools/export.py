@@ -10,18 +10,17 @@ from typing import Any
 
 from flashnorm.errors import FlashNormError
 from flashnorm.export.onnx_export import DEFAULT_OPSET, DTYPES, torch_dtype_name
-from flashnorm.export.sources import KNOWN_MODELS
+from flashnorm.paths import Input, Output
+from flashnorm.tools.options import add_model_source_options, at_least, model_source, onnx_outputs, source_inputs
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("source", nargs="?", help="Hugging Face model directory or .gguf file")
-    parser.add_argument("--model", metavar="NAME",
-                        help=f"a model already on this machine instead of SOURCE ({', '.join(sorted(KNOWN_MODELS))})")
+    add_model_source_options(parser)
     parser.add_argument("-o", "--output", required=True, help="where to write the ONNX model")
     parser.add_argument("--dynamo", action="store_true",
                         help=f"use torch's dynamo exporter (default opset {DEFAULT_OPSET[True]}; emits "
                              f"RMSNormalization) instead of the legacy TorchScript exporter (opset {DEFAULT_OPSET[False]})")
-    parser.add_argument("--opset", type=int, help="ONNX opset (default: 17 legacy, 23 dynamo)")
+    parser.add_argument("--opset", type=at_least(7), help="ONNX opset (default: 17 legacy, 23 dynamo)")
     parser.add_argument("--dtype", default="fp32", metavar="TYPE",
                         help=f"weights and activations in this type ({', '.join(DTYPES)}; default fp32); each "
                              "RMSNorm is still computed in fp32 inside the graph, and the logits are in this type")
@@ -29,14 +28,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="add past_key_values.<i>.key/value inputs and present.<i>.key/value outputs")
 
 
+def paths(args: argparse.Namespace) -> tuple[list[Input], list[Output]]:
+    return source_inputs(args), onnx_outputs(args.output)
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     from flashnorm.export.onnx_export import export_source
-    from flashnorm.export.sources import resolve_source
-
-    if args.source is None and args.model is None:
-        raise FlashNormError("give a model directory or .gguf file, or --model NAME")
     dtype = torch_dtype_name(args.dtype)
-    source = resolve_source(args.source, args.model)
+    source = model_source(args)
     output = Path(args.output)
     if output.suffix.lower() != ".onnx":
         raise FlashNormError(f"output {output} should end in .onnx")

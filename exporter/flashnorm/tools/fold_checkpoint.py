@@ -5,17 +5,17 @@ foldable RMSNorms are weightless, their gains moved into the following linear we
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 from typing import Any
 
 from flashnorm.checkpoint import DTYPES, fold_checkpoint
-from flashnorm.errors import FlashNormError
-from flashnorm.export.sources import KNOWN_MODELS, load_tokenizer, resolve_source
+from flashnorm.export.sources import load_tokenizer, resolve_source
+from flashnorm.paths import Input, Output
+from flashnorm.tools.options import add_model_source_options, model_source, at_least, source_inputs
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("source", nargs="?", help="Hugging Face model directory or .gguf file")
-    parser.add_argument("--model", metavar="NAME",
-                        help=f"a model already on this machine instead of SOURCE ({', '.join(sorted(KNOWN_MODELS))})")
+    add_model_source_options(parser)
     parser.add_argument("-o", "--output", required=True, help="the folded checkpoint's directory (missing or empty)")
     parser.add_argument("--force", action="store_true", help="replace OUTPUT even if it is a non-empty directory")
     parser.add_argument("--untie", action="store_true",
@@ -23,7 +23,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "by default the head stays tied and the final norm keeps its gain")
     parser.add_argument("--dtype", choices=DTYPES, default="auto",
                         help="stored dtype of floating tensors (default: as stored; float32 for GGUF)")
-    parser.add_argument("--int8-limit", type=float, metavar="RATIO",
+    parser.add_argument("--int8-limit", type=at_least(1.0, float), metavar="RATIO",
                         help="for a checkpoint that will be quantized to int8 per channel: leave a norm unfolded "
                              "where folding is estimated to raise its consumers' int8 error by more than RATIO "
                              "(each folded site's estimate is in the report; 1.3 kept SmolLM2-135M's measured "
@@ -33,15 +33,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "and compare their logits errors on a sample text against the float32 original")
 
 
+def paths(args: argparse.Namespace) -> tuple[list[Input], list[Output]]:
+    return source_inputs(args), [Output("checkpoint", Path(args.output), folder=True)]
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    if args.source is None and args.model is None:
-        raise FlashNormError("give a model directory or .gguf file, or --model NAME")
-    source = resolve_source(args.source, args.model)
+    source = model_source(args)
     tokenizer = load_tokenizer(source) if args.check_int8 else None  # a missing one fails before any work
     report = fold_checkpoint(source, args.output, untie=args.untie, dtype=args.dtype, force=args.force,
                              int8_limit=args.int8_limit)
     if tokenizer is not None:
         report["int8"] = _check_int8(source, report["output"], tokenizer)
+        report["passed"] = report["int8"]["passed"]  # a failed check exits 1, as compare does
     return report
 
 

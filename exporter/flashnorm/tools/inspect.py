@@ -8,13 +8,19 @@ from typing import Any
 
 from flashnorm.errors import FlashNormError
 from flashnorm.passes.dry_run import inspect_graph
+from flashnorm.paths import Input, Output
 from flashnorm.report import grouped_reasons
+from flashnorm.tools.options import onnx_inputs
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model", help="ONNX model to inspect")
     parser.add_argument("--untie", action="store_true",
                         help="judge fold as `optimize --untie` would (copy tied weights)")
+
+
+def paths(args: argparse.Namespace) -> tuple[list[Input], list[Output]]:
+    return onnx_inputs("model", args.model), []
 
 
 def format_text(report: dict[str, Any], verbose: bool = False) -> str:

@@ -7,7 +7,9 @@ import argparse
 from typing import Any
 
 from flashnorm.passes import DEFAULT_PASSES, PASSES, optimize_file
+from flashnorm.paths import Input, Output
 from flashnorm.report import grouped_reasons
+from flashnorm.tools.options import onnx_inputs, onnx_outputs
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -20,6 +22,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="fold into a private copy of a weight shared with other nodes (tied LM head)")
     parser.add_argument("--external-data", action=argparse.BooleanOptionalAction, default=None,
                         help="store weights in OUT.onnx.data (default: as the input did, or when over ~1.8 GB)")
+
+
+def paths(args: argparse.Namespace) -> tuple[list[Input], list[Output]]:
+    return onnx_inputs("input model", args.model), onnx_outputs(args.output)
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:

@@ -6,8 +6,13 @@ output options to every subcommand before it knows which one runs."""
 from __future__ import annotations
 
 import argparse
+import math
+import os
+from pathlib import Path
+from typing import Iterable
 
 from flashnorm.engine.loader import BACKENDS
+from flashnorm.paths import Input, Output
 
 
 def add_output_options(parser: argparse.ArgumentParser) -> None:
@@ -53,14 +58,14 @@ def add_model_input_options(parser: argparse.ArgumentParser) -> None:
     source.add_argument("--tokenizer", metavar="SOURCE",
                         help="tokenizer for --text: HF directory, .gguf file or model name "
                              "(default: the source recorded by flashnorm export)")
-    source.add_argument("--batch", type=int, help=f"random inputs: batch size (default {DEFAULT_BATCH})")
-    source.add_argument("--sequence", type=int, help=f"random inputs: sequence length (default {DEFAULT_SEQUENCE})")
-    source.add_argument("--iterations", type=int, default=1,
+    source.add_argument("--batch", type=at_least(1), help=f"random inputs: batch size (default {DEFAULT_BATCH})")
+    source.add_argument("--sequence", type=at_least(1), help=f"random inputs: sequence length (default {DEFAULT_SEQUENCE})")
+    source.add_argument("--iterations", type=at_least(1), default=1,
                         help="random inputs, any model: how many feeds to compare on (default 1)")
-    source.add_argument("--past-length", type=int, default=0,
+    source.add_argument("--past-length", type=at_least(0), default=0,
                         help="KV-cache models: feed a past of this many tokens, produced by the reference "
                              "from a random prefix (default 0: empty past)")
-    source.add_argument("--seed", type=int,
+    source.add_argument("--seed", type=seed,
                         help="seed for random inputs, any model (default: fresh, printed in the report)")
     generic = parser.add_argument_group(
         "inputs of any other model (seeded random tensors for every input, from its declared dtype and shape: "
@@ -76,3 +81,96 @@ def add_model_input_options(parser: argparse.ArgumentParser) -> None:
                               "(brackets optional): integer inputs uniform in [LO, HI) "
                               f"(default [{DEFAULT_INT_RANGE[0]}, {DEFAULT_INT_RANGE[1]})), float inputs uniform in "
                               "[LO, HI) instead of standard normal; bool inputs take no range")
+
+
+def onnx_inputs(what: str, path: str | os.PathLike[str] | None) -> list[Input]:
+    """An ONNX input and the external-data files it names (none if the file is missing: that is
+    the command's own error); a file that is not ONNX is refused here, before any work."""
+    if path is None or not os.path.isfile(path):
+        return []
+    from flashnorm.modelio import external_data_files
+
+    return [Input(what, Path(path)), *(Input(f"{what}'s external data", data) for data in external_data_files(path))]
+
+
+def file_inputs(what: str, paths: Iterable[str | os.PathLike[str] | None]) -> list[Input]:
+    """Inputs that exist, as they are (plugin libraries, engines, checkpoints, tokenizers)."""
+    return [Input(what, Path(p)) for p in paths if p and os.path.exists(p)]
+
+
+def onnx_outputs(path: str | os.PathLike[str], what: str = "output model") -> list[Output]:
+    """An ONNX output and the external-data file a save may write beside it (`<name>.data`)."""
+    target = Path(path)
+    return [Output(what, target), Output(f"{what}'s external data", target.with_name(target.name + ".data"))]
+
+
+def add_model_source_options(parser: argparse.ArgumentParser) -> None:
+    """SOURCE or --model NAME: where a Hugging Face model comes from (export, fold-checkpoint)."""
+    from flashnorm.export.sources import KNOWN_MODELS
+
+    parser.add_argument("source", nargs="?", help="Hugging Face model directory or .gguf file")
+    parser.add_argument("--model", metavar="NAME",
+                        help=f"a model already on this machine instead of SOURCE ({', '.join(sorted(KNOWN_MODELS))})")
+
+
+def model_source(args: argparse.Namespace):
+    """The `ModelSource` SOURCE or --model names; one line if neither or both are given."""
+    from flashnorm.errors import FlashNormError
+    from flashnorm.export.sources import resolve_source
+
+    if args.source is None and args.model is None:
+        raise FlashNormError("give a model directory or .gguf file, or --model NAME")
+    return resolve_source(args.source, args.model)
+
+
+def source_inputs(args: argparse.Namespace) -> list[Input]:
+    """What SOURCE or --model reads: the model directory, or the GGUF file."""
+    if args.source is None and args.model is None:
+        return []
+    source = model_source(args)
+    path = source.directory / source.gguf_file if source.gguf_file else source.directory
+    return file_inputs("model source", [path])
+
+
+def _number(kind: type, text: str) -> float | int:
+    try:
+        value = kind(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not {'an integer' if kind is int else 'a number'}") from None
+    if kind is float and not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a finite number")
+    return value
+
+
+def at_least(lowest: float | int, kind: type = int):
+    """An argparse type: a `kind` number (finite) that is at least `lowest`."""
+    def parse(text: str) -> float | int:
+        value = _number(kind, text)
+        if value < lowest:
+            raise argparse.ArgumentTypeError(f"must be at least {lowest}, got {text}")
+        return value
+    parse.__name__ = f"{kind.__name__} >= {lowest}"
+    return parse
+
+
+def positive(kind: type = float):
+    """An argparse type: a `kind` number (finite) greater than zero."""
+    def parse(text: str) -> float | int:
+        value = _number(kind, text)
+        if not value > 0:
+            raise argparse.ArgumentTypeError(f"must be greater than 0, got {text}")
+        return value
+    parse.__name__ = f"positive {kind.__name__}"
+    return parse
+
+
+SEED_LIMIT = 2**63
+"""Seeds are non-negative integers below 2**63 (NumPy's SeedSequence takes no negative one)."""
+
+
+def seed(text: str) -> int:
+    """An argparse type: a random seed, 0 <= seed < 2**63."""
+    value = _number(int, text)
+    if not 0 <= value < SEED_LIMIT:
+        raise argparse.ArgumentTypeError(f"must be in [0, 2**63), got {text}")
+    return value

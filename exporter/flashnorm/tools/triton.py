@@ -19,7 +19,8 @@ import re
 from pathlib import Path
 
 from flashnorm.errors import FlashNormError, require_file
-from flashnorm.tools.options import add_plugin_option
+from flashnorm.paths import Input, Output
+from flashnorm.tools.options import add_plugin_option, at_least, file_inputs, onnx_inputs
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -41,11 +42,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--force", action="store_true", help="replace REPO if it exists and is not empty")
     config = parser.add_argument_group("config.pbtxt")
     config.add_argument("--name", help="model name (default: the model file's name without extension)")
-    config.add_argument("--max-batch-size", type=int, default=8,
+    config.add_argument("--max-batch-size", type=at_least(0), default=8,
                         help="Triton max_batch_size; 0 serves the model unbatched (default: 8)")
-    config.add_argument("--max-queue-delay-us", type=int, default=0,
+    config.add_argument("--max-queue-delay-us", type=at_least(0), default=0,
                         help="dynamic batching: how long a request may wait for others (default: 0)")
-    config.add_argument("--instances", type=int, default=1, help="model instances (default: 1)")
+    config.add_argument("--instances", type=at_least(1), default=1, help="model instances (default: 1)")
     config.add_argument("--cuda-graphs", action="store_true",
                         help="tensorrt: add optimization { cuda { graphs: true } }")
     config.add_argument("--check-requests", action="store_true",
@@ -54,10 +55,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "disagree, shapes outside --shapes) with HTTP 400 before the engine runs")
     config.add_argument("--outputs", nargs="+", metavar="NAME",
                         help="python: serve only these ONNX outputs (e.g. logits)")
-    config.add_argument("--threads", type=int, default=0,
+    config.add_argument("--threads", type=at_least(0), default=0,
                         help="python: ONNX Runtime intra-op threads per instance (default: 0 = its choice)")
     config.add_argument("--providers", default="CPUExecutionProvider",
                         help="python: comma-separated ONNX Runtime providers (default: CPUExecutionProvider)")
+
+
+def paths(args: argparse.Namespace) -> tuple[list[Input], list[Output]]:
+    read = onnx_inputs("model", args.onnx) + file_inputs("engine", [args.engine])
+    read += file_inputs("plugin library", args.plugin)
+    return read, [Output("repository", Path(args.output), folder=True)]
 
 
 def _default_name(path: str) -> str:

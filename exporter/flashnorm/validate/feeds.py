@@ -85,6 +85,7 @@ def build_feeds(
         vocab = signature.vocab_size
         if vocab is None:
             raise FlashNormError("cannot draw random token ids: the logits output has no fixed vocabulary size")
+        check_memory("--batch/--sequence/--iterations", token_model_bytes(batch, sequence, vocab, options.iterations))
         id_batches = [random_token_ids(vocab, batch, sequence, rng) for _ in range(options.iterations)]
         description["random_token_ids"] = f"{options.iterations} × [{batch}, {sequence}] in [0, {vocab})"
     if options.past_length < 0:
@@ -148,6 +149,10 @@ def _random_tensor_feeds(
                 f"input {spec.name}: the candidate declares {declared} and cannot take the shape {list(fed)} "
                 "fed to the reference; set it with --input-shapes"
             )
+    itemsizes = {spec.name: _itemsize(spec.dtype) for spec in signature.inputs}
+    feed_bytes = sum(int(np.prod(shape, dtype=np.float64)) * itemsizes[name] for name, shape in shapes.items())
+    # Both models' outputs are at least of the inputs' order: twice the feeds per iteration.
+    check_memory("--input-shapes/--iterations", 3 * feed_bytes * options.iterations)
     ranges = parse_value_ranges(options.val_range)
     drawn = describe_random_feeds(signature.inputs, shapes, ranges)
     bfloat16 = [spec.name for spec in signature.inputs if dtype_name(spec.dtype) == "bfloat16"]
@@ -159,3 +164,39 @@ def _random_tensor_feeds(
     description: dict[str, Any] = {"seed": seed, "iterations": options.iterations}
     description.update({f"input {name}": text for name, text in drawn.items()})
     return feeds, description
+
+
+def token_model_bytes(batch: int, sequence: int, vocab: int, iterations: int) -> float:
+    """A lower bound of what comparing a token model on random ids holds at once: every
+    iteration's ids and both models' float32 logits, plus one [batch, sequence, sequence]
+    float32 attention-score matrix while a model runs."""
+    tokens = float(batch) * sequence
+    return iterations * tokens * (8 + 2 * 4 * vocab) + tokens * sequence * 4
+
+
+def available_memory() -> int | None:
+    """MemAvailable of /proc/meminfo in bytes (None where it cannot be read)."""
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def check_memory(flags: str, needed: float) -> None:
+    """Refuse sizes whose lower-bound memory exceeds what this machine has available, before
+    anything is allocated (a MemoryError or the kernel's OOM killer would follow)."""
+    available = available_memory()
+    if available is not None and needed > available:
+        raise FlashNormError(f"{flags}: these sizes need at least {needed / 2**30:.3g} GiB, and this machine has "
+                             f"{available / 2**30:.3g} GiB available; choose smaller sizes")
+
+
+def _itemsize(dtype: Any) -> int:
+    try:
+        return np.dtype(dtype).itemsize
+    except TypeError:
+        return 8
