@@ -188,7 +188,7 @@ def epilogue_scale_built(built_library) -> bool:
 
 def test_auto_epilogue_scale_region(built_library, epilogue_scale_built, monkeypatch):
     """Built with the CUTLASS kernel, AUTO picks epilogue-scale (kAuto; each region measured faster
-    than what AUTO picked before, kernels/NOTES.md): with K <= 1024 from 17 rows to 1024 below
+    than what AUTO picked before, kernels/DESIGN.md): with K <= 1024 from 17 rows to 1024 below
     prenorm's region (which for one run of splits starts past M·N = 2^20 there; for several runs, to
     4096 rows ahead of prenorm's region, which then starts at 4097 at the earliest); with K >= 2048
     at exactly 64 rows where the splits form several runs or one run with K·N < 2^26, a large-weight
