@@ -73,6 +73,12 @@ def check_paths(command_inputs: Sequence[Input], outputs: Sequence[Output], forc
     targets = [(item, resolved(item.path)) for item in outputs]
     for index, (output, target) in enumerate(targets):
         named = f"{output.what} {output.path}"
+        for place, where in _protected_places():
+            if target == where or _inside(where, target):
+                verb = "is" if target == where else "contains"
+                raise FlashNormError(f"{named} {verb} {place}; flashnorm never replaces it")
+        if target != Path("/") and os.path.ismount(target):
+            raise FlashNormError(f"{named} is a mount point; flashnorm never replaces it")
         for source_item, source in sources:
             relation = _relation(target, source)
             if relation:
@@ -82,12 +88,6 @@ def check_paths(command_inputs: Sequence[Input], outputs: Sequence[Output], forc
             relation = _relation(target, other_target)
             if relation:
                 raise FlashNormError(f"{named} {relation} the {other.what} {other.path} written by the same command")
-        for place, where in _protected_places():
-            if target == where or _inside(where, target):
-                verb = "is" if target == where else "contains"
-                raise FlashNormError(f"{named} {verb} {place}; flashnorm never replaces it")
-        if target != Path("/") and os.path.ismount(target):
-            raise FlashNormError(f"{named} is a mount point; flashnorm never replaces it")
         _check_writable(output, target, force)
 
 

@@ -96,6 +96,15 @@ def _offline() -> None:
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 
+def _weight_file_errors() -> tuple[type[Exception], ...]:
+    """What the weight-file readers raise for a damaged file (safetensors' own error type)."""
+    try:
+        from safetensors import SafetensorError
+    except ImportError:
+        return ()
+    return (SafetensorError,)
+
+
 def load_causal_lm(source: ModelSource, dtype: str = "float32"):
     """Load the model for causal language modelling, in eval mode, on CPU."""
     _offline()
@@ -106,7 +115,7 @@ def load_causal_lm(source: ModelSource, dtype: str = "float32"):
         model = AutoModelForCausalLM.from_pretrained(
             str(source.directory), dtype=getattr(torch, dtype), **source.pretrained_kwargs()
         )
-    except (OSError, ValueError, KeyError) as exc:
+    except (OSError, ValueError, KeyError, RuntimeError, *_weight_file_errors()) as exc:
         first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise FlashNormError(f"cannot load {source.describe()} as a causal LM: {first_line}") from None
     return model.eval()

@@ -58,7 +58,7 @@ def paths(args: argparse.Namespace) -> tuple[list[Input], list[Output]]:
     exported, optimized = _model_files(args)
     written = [optimized] if exported is None else [exported, optimized]
     outputs = [Output(what, file, make_parents=True) for path in written
-               for what, file in (("model", path), ("model's external data", path.with_name(path.name + ".data")))]
+               for what, file in (("model", path), ("model's external data", Path(f"{path}.data")))]
     return onnx_inputs("exported model", args.exported), outputs
 
 

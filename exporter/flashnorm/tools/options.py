@@ -100,8 +100,7 @@ def file_inputs(what: str, paths: Iterable[str | os.PathLike[str] | None]) -> li
 
 def onnx_outputs(path: str | os.PathLike[str], what: str = "output model") -> list[Output]:
     """An ONNX output and the external-data file a save may write beside it (`<name>.data`)."""
-    target = Path(path)
-    return [Output(what, target), Output(f"{what}'s external data", target.with_name(target.name + ".data"))]
+    return [Output(what, Path(path)), Output(f"{what}'s external data", Path(os.fspath(path) + ".data"))]
 
 
 def add_model_source_options(parser: argparse.ArgumentParser) -> None:
