@@ -194,7 +194,7 @@ def test_optimize_rejects_a_file_that_is_not_onnx(tmp_path, content, message):
     ["optimize", "{missing}", "-o", "{tmp}/out.onnx"],
     ["compare", "{missing}", "{missing}"],
     ["build", "{missing}", "-o", "{tmp}/out.plan"],
-    ["triton", "--onnx", "{missing}", "--backend", "python", "-o", "{tmp}/repo"],
+    ["triton", "--onnx", "{missing}", "--triton-backend", "python", "-o", "{tmp}/repo"],
 ], ids=lambda argv: argv[0])
 def test_a_missing_model_is_worded_the_same_by_every_command(argv, tmp_path, capsys):
     missing = tmp_path / "absent.onnx"

@@ -35,11 +35,11 @@ MAX_BATCH = 4
 
 
 def _serve(venv, onnx_path, root, name):
-    """`flashnorm triton --backend python` on one model, then a server on that repository,
+    """`flashnorm triton --triton-backend python` on one model, then a server on that repository,
     yielded started and always stopped afterwards (the body of a fixture)."""
     # A queue delay long enough that concurrent requests meet in the dynamic batcher.
     code = cli.main([
-        "triton", "--onnx", str(onnx_path), "--backend", "python", "-o", str(root / name), "--name", name,
+        "triton", "--onnx", str(onnx_path), "--triton-backend", "python", "-o", str(root / name), "--name", name,
         "--outputs", "logits", "--max-batch-size", str(MAX_BATCH), "--max-queue-delay-us", "200000",
         "--threads", "2", "-q",
     ])
@@ -214,7 +214,7 @@ def test_malformed_requests_fail_and_the_server_keeps_serving(smollm2_served, re
 def test_unbatched_model_serves_and_the_server_stops_cleanly(projection_model, pytriton_venv, tmp_path, rng):
     onnx_path, weight = projection_model(k=int(rng.integers(2, 17)), n=int(rng.integers(2, 17)))
     repo = tmp_path / "repo"
-    assert cli.main(["triton", "--onnx", str(onnx_path), "--backend", "python", "-o", str(repo),
+    assert cli.main(["triton", "--onnx", str(onnx_path), "--triton-backend", "python", "-o", str(repo),
                      "--name", "proj", "--max-batch-size", "0", "-q"]) == 0
     x = rng.standard_normal((3, weight.shape[0])).astype(np.float32)
     ids = rng.integers(-1000, 1000, 3)

@@ -1,5 +1,5 @@
 """The fp16 SmolLM2-135M, folded (`flashnorm export --dtype fp16`, then `flashnorm optimize`:
-fold, cancel), in a `flashnorm triton --backend python` repository served by the real
+fold, cancel), in a `flashnorm triton --triton-backend python` repository served by the real
 `tritonserver` bundled in nvidia-pytriton (FLASHNORM_PYTRITON_VENV), on loopback.
 
 - The config declares the types the ONNX file declares (int64 ids, fp16 logits) and is the
@@ -75,7 +75,7 @@ def served(pytriton_venv, fp16_folded, tmp_path_factory):
     repo = tmp_path_factory.mktemp("triton") / "repo"
     # A queue delay long enough that concurrent requests of one length meet in the batcher.
     assert cli.main([
-        "triton", "--onnx", str(fp16_folded), "--backend", "python", "-o", str(repo), "--name", MODEL,
+        "triton", "--onnx", str(fp16_folded), "--triton-backend", "python", "-o", str(repo), "--name", MODEL,
         "--outputs", "logits", "--max-batch-size", str(MAX_BATCH), "--max-queue-delay-us", "20000",
         "--threads", str(THREADS), "-q",
     ]) == 0
@@ -289,7 +289,7 @@ def test_malformed_requests_under_load_are_all_refused(served, reference, text_f
 
 def test_tensorrt_repository_checks_requests_before_the_engine(pytriton_venv, fp16_folded, tmp_path, text_feeds,
                                                               reference, rng):
-    """`flashnorm triton --backend tensorrt --check-requests`: the ensemble and its checking
+    """`flashnorm triton --triton-backend tensorrt --check-requests`: the ensemble and its checking
     model, served for real. The bundled server has no TensorRT backend, so NAME_engine (a
     tensorrt_plan written from random bytes) is swapped for a Python-backend model serving the
     ONNX file the engine would be built from, under the same name and signature; the ensemble
@@ -308,7 +308,7 @@ def test_tensorrt_repository_checks_requests_before_the_engine(pytriton_venv, fp
     ]) == 0
     assert sorted(p.name for p in repo.iterdir()) == ["README.md", "smol", "smol_checks", "smol_engine"]
     assert parse_model_config((repo / "smol_engine/config.pbtxt").read_text()).platform == "tensorrt_plan"
-    assert cli.main(["triton", "--onnx", str(fp16_folded), "--backend", "python", "-o", str(stand_in),
+    assert cli.main(["triton", "--onnx", str(fp16_folded), "--triton-backend", "python", "-o", str(stand_in),
                      "--name", "smol_engine", "--max-batch-size", str(MAX_BATCH), "--threads", str(THREADS), "-q"]) == 0
     written = parse_model_config((repo / "smol_engine/config.pbtxt").read_text())
     replacement = parse_model_config((stand_in / "smol_engine/config.pbtxt").read_text())

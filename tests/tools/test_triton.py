@@ -58,7 +58,7 @@ def _error(capsys) -> str:
 
 
 @pytest.mark.parametrize("arguments, message", [
-    (["--backend", "python"], "--backend python needs --onnx"),
+    (["--triton-backend", "python"], "--triton-backend python needs --onnx"),
     (["--engine", "{engine}"], "needs --engine MODEL.plan and --plugin"),
     (["--engine", "{tmp}/absent.plan", "--plugin", "{plugin}", "--io", "in:x:fp32:-1", "--io", "out:y:fp32:-1"],
      "engine .*absent.plan does not exist"),
@@ -66,13 +66,13 @@ def _error(capsys) -> str:
      "plugin library .*absent.so does not exist"),
     (["--engine", "{engine}", "--plugin", "{plugin}", "--io", "in:x:fp32:-1"], "at least one input"),
     (["--engine", "{engine}", "--plugin", "{plugin}", "--io", "in:x:fp32:-1", "--io", "out:y:fp32:-1",
-      "--outputs", "y"], "--outputs applies to --backend python"),
-    (["--onnx", "{onnx}", "--backend", "python", "--outputs", "logits"], r"unknown output name\(s\) \['logits'\]"),
-    (["--onnx", "{onnx}", "--backend", "python", "--engine", "{engine}"], "--engine applies to --backend tensorrt"),
-    (["--onnx", "{tmp}/absent.onnx", "--backend", "python"], "model .*absent.onnx does not exist or is not a file"),
-    (["--onnx", "{onnx}", "--backend", "python", "--instances", "0"], "argument --instances: must be at least 1"),
-    (["--onnx", "{onnx}", "--backend", "python", "--shapes", "x:1x2,1x2,1x2"], "--shapes applies to --backend tensorrt"),
-    (["--onnx", "{onnx}", "--backend", "python", "--check-requests"], "--check-requests applies to --backend tensorrt"),
+      "--outputs", "y"], "--outputs applies to --triton-backend python"),
+    (["--onnx", "{onnx}", "--triton-backend", "python", "--outputs", "logits"], r"unknown output name\(s\) \['logits'\]"),
+    (["--onnx", "{onnx}", "--triton-backend", "python", "--engine", "{engine}"], "--engine applies to --triton-backend tensorrt"),
+    (["--onnx", "{tmp}/absent.onnx", "--triton-backend", "python"], "model .*absent.onnx does not exist or is not a file"),
+    (["--onnx", "{onnx}", "--triton-backend", "python", "--instances", "0"], "argument --instances: must be at least 1"),
+    (["--onnx", "{onnx}", "--triton-backend", "python", "--shapes", "x:1x2,1x2,1x2"], "--shapes applies to --triton-backend tensorrt"),
+    (["--onnx", "{onnx}", "--triton-backend", "python", "--check-requests"], "--check-requests applies to --triton-backend tensorrt"),
     (["--engine", "{engine}", "--plugin", "{plugin}", "--io", "in:x:fp32:-1,4", "--io", "out:y:fp64:-1,4"],
      "output 'y' is TYPE_FP64, which no TensorRT engine takes or returns"),
     (["--engine", "{engine}", "--plugin", "{plugin}", "--io", "in:ids:int64:-1,-1", "--io", "out:y:fp16:-1,-1,9",
@@ -115,7 +115,7 @@ def test_engine_repository_from_onnx_io_reports_its_source(tmp_path, engine_file
 
 def test_existing_repository_needs_force(tmp_path, projection_model, capsys):
     onnx_path, _ = projection_model()
-    argv = ["triton", "--onnx", str(onnx_path), "--backend", "python", "-o", str(tmp_path / "repo"), "-q"]
+    argv = ["triton", "--onnx", str(onnx_path), "--triton-backend", "python", "-o", str(tmp_path / "repo"), "-q"]
     assert cli.main(argv) == 0
     before = (tmp_path / "repo/projection/config.pbtxt").read_text()
     assert cli.main([*argv, "--max-batch-size", "2"]) == 2

@@ -314,7 +314,7 @@ def write_onnx_python_repository(
     readme = _readme(
         f"Triton model repository: {name} (Python backend, ONNX Runtime)",
         f"""
-Written by `flashnorm triton --backend python`. `{name}/1/model.py` serves `{name}/1/model.onnx`
+Written by `flashnorm triton --triton-backend python`. `{name}/1/model.py` serves `{name}/1/model.onnx`
 with ONNX Runtime ({", ".join(providers)}); no GPU and no FlashNorm install are needed.
 
 Start the server:

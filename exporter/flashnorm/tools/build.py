@@ -13,16 +13,15 @@ from typing import Any
 from flashnorm.engine.build import BuildOptions, build_engine_file
 from flashnorm.engine.shapes import parse_shape_specs
 from flashnorm.paths import Input, Output
-from flashnorm.tools.options import add_tensorrt_options, file_inputs, onnx_inputs, positive
+from flashnorm.tools.options import add_shapes_option, add_tensorrt_options, file_inputs, onnx_inputs, positive
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model", help="ONNX model, typically the output of `flashnorm optimize --passes fold,cancel,defer`")
     parser.add_argument("-o", "--output", required=True, help="engine file to write (written atomically)")
     add_tensorrt_options(parser)
-    parser.add_argument("--shapes", nargs="+", action="extend", default=[], metavar="NAME:MIN,OPT,MAX",
-                        help="optimization profile of a dynamic input, shapes as 1x64 "
-                             "(e.g. input_ids:1x1,1x64,1x512); one shape fixes it")
+    add_shapes_option(parser, "optimization profile of a dynamic input, shapes as 1x64 "
+                              "(e.g. input_ids:1x1,1x64,1x512); one shape fixes it")
     parser.add_argument("--timing-cache", metavar="PATH",
                         help="read tactic timings from PATH if it exists, and write them back after the build "
                              "(TensorRT; TensorRT-RTX picks kernels at run time and ignores it)")

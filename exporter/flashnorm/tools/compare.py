@@ -21,6 +21,7 @@ from flashnorm.errors import FlashNormError
 from flashnorm.paths import Input, Output
 from flashnorm.tools.options import (
     add_model_input_options,
+    add_shapes_option,
     add_tensorrt_options,
     at_least,
     file_inputs,
@@ -71,8 +72,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     tensorrt.add_argument("--engine", metavar="PLAN",
                           help="run this prebuilt engine as the candidate (implies --trt; the candidate ONNX "
                                "still gives the input and output names)")
-    tensorrt.add_argument("--trt-shapes", nargs="+", action="extend", default=[], metavar="NAME:MIN,OPT,MAX",
-                          help="optimization profile for --trt (default: exactly the shapes of the inputs fed)")
+    add_shapes_option(tensorrt, "optimization profile for --trt (default: exactly the shapes of the inputs fed)",
+                      old_spelling="--trt-shapes")
 
 
 def paths(args: argparse.Namespace) -> tuple[list[Input], list[Output]]:
@@ -149,7 +150,7 @@ def tensorrt_candidate(args: argparse.Namespace, feeds: list[dict[str, np.ndarra
     from flashnorm.engine.shapes import parse_shape_specs
 
     select_backend(args.backend, args.plugin)
-    shapes = parse_shape_specs(args.trt_shapes) or shape_ranges_from_feeds(feeds)
+    shapes = parse_shape_specs(args.shapes) or shape_ranges_from_feeds(feeds)
     return trt_runner_factory(backend=args.backend, plugins=args.plugin, shapes=shapes, engine_path=args.engine)
 
 

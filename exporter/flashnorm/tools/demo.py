@@ -14,7 +14,7 @@ from typing import Any
 from flashnorm.errors import FlashNormError, require_file
 from flashnorm.paths import Input, Output
 from flashnorm.report import grouped_reasons
-from flashnorm.tools.options import at_least, onnx_inputs
+from flashnorm.tools.options import DTYPE_CHOICES, at_least, dtype_option, onnx_inputs
 
 MODEL = "smollm2-135m"
 # One fp32 ONNX file of SmolLM2-135M (134.5 M parameters), as measured: 539.5 MB.
@@ -39,8 +39,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--text", default=TEXT, help="text whose logits are compared")
     parser.add_argument("--prompt", default=PROMPT, help="prompt for greedy generation")
     parser.add_argument("--tokens", type=at_least(1), default=16, help="tokens to generate from each model (default 16)")
-    parser.add_argument("--dtype", default="fp32", metavar="TYPE",
-                        help="export and optimize in this type (fp32, fp16, bf16; default fp32); half types compare "
+    parser.add_argument("--dtype", default="fp32", metavar="TYPE", type=dtype_option("short"),
+                        help=f"export and optimize in this type ({DTYPE_CHOICES}; default fp32); half types compare "
                              "within HALF_REL_L2 × the type's unit roundoff instead of fp32's 1e-5")
 
 

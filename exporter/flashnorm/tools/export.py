@@ -9,9 +9,9 @@ from pathlib import Path
 from typing import Any
 
 from flashnorm.errors import FlashNormError
-from flashnorm.export.onnx_export import DEFAULT_OPSET, DTYPES, torch_dtype_name
+from flashnorm.export.onnx_export import DEFAULT_OPSET, torch_dtype_name
 from flashnorm.paths import Input, Output
-from flashnorm.tools.options import add_model_source_options, at_least, model_source, onnx_outputs, source_inputs
+from flashnorm.tools.options import DTYPE_CHOICES, add_model_source_options, at_least, dtype_option, model_source, onnx_outputs, source_inputs
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -21,8 +21,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"use torch's dynamo exporter (default opset {DEFAULT_OPSET[True]}; emits "
                              f"RMSNormalization) instead of the legacy TorchScript exporter (opset {DEFAULT_OPSET[False]})")
     parser.add_argument("--opset", type=at_least(7), help="ONNX opset (default: 17 legacy, 23 dynamo)")
-    parser.add_argument("--dtype", default="fp32", metavar="TYPE",
-                        help=f"weights and activations in this type ({', '.join(DTYPES)}; default fp32); each "
+    parser.add_argument("--dtype", default="fp32", metavar="TYPE", type=dtype_option("short"),
+                        help=f"weights and activations in this type ({DTYPE_CHOICES}; default fp32); each "
                              "RMSNorm is still computed in fp32 inside the graph, and the logits are in this type")
     parser.add_argument("--kv-cache", action="store_true",
                         help="add past_key_values.<i>.key/value inputs and present.<i>.key/value outputs")

@@ -8,10 +8,17 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from flashnorm.checkpoint import DTYPES, fold_checkpoint
+from flashnorm.checkpoint import fold_checkpoint
 from flashnorm.export.sources import load_tokenizer, resolve_source
 from flashnorm.paths import Input, Output
-from flashnorm.tools.options import add_model_source_options, model_source, at_least, source_inputs
+from flashnorm.tools.options import (
+    DTYPE_CHOICES,
+    add_model_source_options,
+    at_least,
+    dtype_option,
+    model_source,
+    source_inputs,
+)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -21,8 +28,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--untie", action="store_true",
                         help="give a tied LM head its own folded weight (tie_word_embeddings becomes false); "
                              "by default the head stays tied and the final norm keeps its gain")
-    parser.add_argument("--dtype", choices=DTYPES, default="auto",
-                        help="stored dtype of floating tensors (default: as stored; float32 for GGUF)")
+    parser.add_argument("--dtype", type=dtype_option("long", allow_auto=True), default="auto", metavar="TYPE",
+                        help=f"stored dtype of floating tensors ({DTYPE_CHOICES}, auto; default auto: as stored; "
+                             "float32 for GGUF)")
     parser.add_argument("--int8-limit", type=at_least(1.0, float), metavar="RATIO",
                         help="for a checkpoint that will be quantized to int8 per channel: leave a norm unfolded "
                              "where folding is estimated to raise its consumers' int8 error by more than RATIO "

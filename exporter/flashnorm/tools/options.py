@@ -173,3 +173,60 @@ def seed(text: str) -> int:
     if not 0 <= value < SEED_LIMIT:
         raise argparse.ArgumentTypeError(f"must be in [0, 2**63), got {text}")
     return value
+
+
+class DeprecatedAlias(argparse.Action):
+    """An old spelling of an option: stores into the new option's `dest` and says, once per
+    command line, which spelling replaces it (`flashnorm CMD: warning: ...` on stderr)."""
+
+    def __init__(self, option_strings, dest, replacement: str, why: str = "", **kwargs) -> None:
+        super().__init__(option_strings, dest, default=argparse.SUPPRESS, **kwargs)
+        self.replacement, self.why = replacement, why
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        import sys
+
+        print(f"{parser.prog}: warning: {option_string} is deprecated here, use {self.replacement}"
+              + (f" ({self.why})" if self.why else ""), file=sys.stderr)
+        if self.nargs == "+":
+            values = [*(getattr(namespace, self.dest, None) or []), *values]
+        setattr(namespace, self.dest, values)
+
+
+SHAPES_HELP = "NAME:MIN,OPT,MAX"
+
+
+def add_shapes_option(group: argparse._ActionsContainer, help_text: str, old_spelling: str | None = None) -> None:
+    """--shapes NAME:MIN,OPT,MAX (repeatable): a TensorRT optimization profile, the one spelling
+    build, compare and triton share (`old_spelling`: a deprecated alias of it)."""
+    group.add_argument("--shapes", nargs="+", action="extend", default=[], metavar=SHAPES_HELP, help=help_text)
+    if old_spelling:
+        group.add_argument(old_spelling, nargs="+", dest="shapes", action=DeprecatedAlias, replacement="--shapes",
+                           metavar=SHAPES_HELP, help="deprecated spelling of --shapes")
+
+
+DTYPE_SPELLINGS = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
+"""The float types every --dtype takes, in both spellings: short (fp16) and torch's (float16)."""
+
+
+def dtype_option(spelling: str, allow_auto: bool = False):
+    """An argparse type for --dtype taking either spelling (and `auto` where allowed), returning
+    the `spelling` ("short" or "long") the command works in."""
+    short_of = {long: short for short, long in DTYPE_SPELLINGS.items()}
+
+    def parse(text: str) -> str:
+        key = text.lower()
+        if allow_auto and key == "auto":
+            return "auto"
+        if key in DTYPE_SPELLINGS:
+            return key if spelling == "short" else DTYPE_SPELLINGS[key]
+        if key in short_of:
+            return short_of[key] if spelling == "short" else key
+        choices = [*DTYPE_SPELLINGS, *DTYPE_SPELLINGS.values(), *(["auto"] if allow_auto else [])]
+        raise argparse.ArgumentTypeError(f"{text!r} is not one of {', '.join(choices)}")
+
+    parse.__name__ = "dtype"
+    return parse
+
+
+DTYPE_CHOICES = "fp32|float32, fp16|float16, bf16|bfloat16"

@@ -8,7 +8,7 @@ Two kinds:
   `--check-requests` puts a Python-backend model in front of the engine (an ensemble) that
   refuses what the config cannot state: token ids outside the vocabulary, lengths that
   disagree, shapes outside the profile.
-- `--onnx model.onnx --backend python -o REPO`: a Python-backend model serving the ONNX with
+- `--onnx model.onnx --triton-backend python -o REPO`: a Python-backend model serving the ONNX with
   ONNX Runtime (no GPU needed); it checks requests itself.
 """
 
@@ -20,24 +20,37 @@ from pathlib import Path
 
 from flashnorm.errors import FlashNormError, require_file
 from flashnorm.paths import Input, Output
-from flashnorm.tools.options import add_plugin_option, at_least, file_inputs, onnx_inputs
+from flashnorm.tools.options import (
+    DeprecatedAlias,
+    add_plugin_option,
+    add_shapes_option,
+    at_least,
+    file_inputs,
+    onnx_inputs,
+)
+
+TRITON_BACKENDS = ("tensorrt", "python")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     source = parser.add_argument_group("model")
-    source.add_argument("--backend", choices=("tensorrt", "python"), default="tensorrt",
-                        help="tensorrt: serve --engine; python: serve --onnx with ONNX Runtime (default: tensorrt)")
+    source.add_argument("--triton-backend", choices=TRITON_BACKENDS, default="tensorrt",
+                        help="the Triton backend that serves the model: tensorrt serves --engine; python serves "
+                             "--onnx with ONNX Runtime (default: tensorrt)")
+    source.add_argument("--backend", dest="triton_backend", choices=TRITON_BACKENDS, action=DeprecatedAlias,
+                        replacement="--triton-backend",
+                        why="--backend names the TensorRT flavour in build and compare",
+                        help="deprecated spelling of --triton-backend")
     source.add_argument("--engine", metavar="PLAN", help="TensorRT engine (.plan) built with the FlashNorm plugin")
-    add_plugin_option(source, "; --backend tensorrt: the one library the engine was built with, copied into REPO")
-    source.add_argument("--onnx", metavar="MODEL", help="ONNX model: served by --backend python, or the I/O "
+    add_plugin_option(source, "; --triton-backend tensorrt: the one library the engine was built with, copied into REPO")
+    source.add_argument("--onnx", metavar="MODEL", help="ONNX model: served by --triton-backend python, or the I/O "
                         "source for --engine where TensorRT is not importable (the ONNX the engine was built from)")
     source.add_argument("--io", action="append", default=[], metavar="in|out:NAME:TYPE:DIMS",
                         help="declare one engine input/output by hand, full shape, -1 = variable "
                         "(e.g. in:input_ids:int64:-1,-1); repeat for each tensor")
-    source.add_argument("--shapes", nargs="+", action="extend", default=[], metavar="NAME:MIN,OPT,MAX",
-                        help="--backend tensorrt: the optimization profile the engine was built with (as given "
-                        "to `flashnorm build --shapes`), checked against --max-batch-size and the dims; "
-                        "read from the engine instead where TensorRT is importable")
+    add_shapes_option(source, "--triton-backend tensorrt: the optimization profile the engine was built with (as "
+                              "given to `flashnorm build --shapes`), checked against --max-batch-size and the dims; "
+                              "read from the engine instead where TensorRT is importable")
     parser.add_argument("-o", "--output", required=True, metavar="REPO", help="model repository folder to write")
     parser.add_argument("--force", action="store_true", help="replace REPO if it exists and is not empty")
     config = parser.add_argument_group("config.pbtxt")
@@ -97,14 +110,14 @@ def _engine_signature(args: argparse.Namespace):
 def run(args: argparse.Namespace) -> dict:
     from flashnorm.serve import signature_from_onnx, write_engine_repository, write_onnx_python_repository
 
-    if args.backend == "python":
+    if args.triton_backend == "python":
         if not args.onnx:
-            raise FlashNormError("--backend python needs --onnx MODEL.onnx")
+            raise FlashNormError("--triton-backend python needs --onnx MODEL.onnx")
         for flag, value in (("--engine", args.engine), ("--plugin", args.plugin), ("--io", args.io),
                             ("--cuda-graphs", args.cuda_graphs), ("--shapes", args.shapes),
                             ("--check-requests", args.check_requests)):
             if value:
-                raise FlashNormError(f"{flag} applies to --backend tensorrt, not python")
+                raise FlashNormError(f"{flag} applies to --triton-backend tensorrt, not python")
         signature = signature_from_onnx(args.onnx).select_outputs(args.outputs)
         result = write_onnx_python_repository(
             args.onnx, signature, args.output,
@@ -116,12 +129,12 @@ def run(args: argparse.Namespace) -> dict:
         )
     else:
         if not args.engine or not args.plugin:
-            raise FlashNormError("--backend tensorrt needs --engine MODEL.plan and --plugin LIB.so")
+            raise FlashNormError("--triton-backend tensorrt needs --engine MODEL.plan and --plugin LIB.so")
         if len(args.plugin) > 1:
-            raise FlashNormError(f"--backend tensorrt copies one plugin library into the repository, got {len(args.plugin)}")
+            raise FlashNormError(f"--triton-backend tensorrt copies one plugin library into the repository, got {len(args.plugin)}")
         plugin = args.plugin[0]
         if args.outputs:
-            raise FlashNormError("--outputs applies to --backend python; a TensorRT config declares every engine output")
+            raise FlashNormError("--outputs applies to --triton-backend python; a TensorRT config declares every engine output")
         require_file("engine", args.engine)
         require_file("plugin library", plugin)
         signature = _engine_signature(args)
@@ -133,16 +146,16 @@ def run(args: argparse.Namespace) -> dict:
         )
     report = {
         "passed": True,
-        "backend": args.backend,
+        "backend": args.triton_backend,
         "io_source": signature.source,
         "inputs": [{"name": s.name, "data_type": s.data_type, "shape": list(s.shape)} for s in signature.inputs],
         "outputs": [{"name": s.name, "data_type": s.data_type, "shape": list(s.shape)} for s in signature.outputs],
         "config_validated": True,
         **result.to_dict(),
     }
-    if args.backend == "tensorrt":
+    if args.triton_backend == "tensorrt":
         report["profile"] = {name: shape_range.describe() for name, shape_range in signature.profile.items()}
-    if args.backend == "tensorrt" and signature.source != "tensorrt":
+    if args.triton_backend == "tensorrt" and signature.source != "tensorrt":
         report["note"] = (
             f"inputs and outputs declared from {'the ONNX model' if signature.source == 'onnx' else '--io'}, "
             "not read from the engine (TensorRT not used); they must match the engine's tensors"
