@@ -139,6 +139,21 @@ def test_leaf_modules_import_only_the_standard_library():
     assert ours <= {"flashnorm", "flashnorm.errors", *leaves}
 
 
+def test_the_cuda_ops_abi_needs_only_the_standard_library():
+    """flashnorm.cuda_ops.abi (flashnorm.h in ctypes) loads without torch: tests/test_contract.py
+    loads it from its file to check it against the header, also where torch is not installed."""
+    script = (
+        "import importlib.util, json, sys\n"
+        "started = set(sys.modules)\n"
+        f"spec = importlib.util.spec_from_file_location('abi', {str(PACKAGE_DIR / 'cuda_ops' / 'abi.py')!r})\n"
+        "spec.loader.exec_module(importlib.util.module_from_spec(spec))\n"
+        "print(json.dumps(sorted(set(sys.modules) - started)))\n"
+    )
+    loaded = json.loads(subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                                       check=True).stdout)
+    outside = [name for name in loaded if name.split(".")[0] not in sys.stdlib_module_names]
+    assert set(outside) <= {"flashnorm", "flashnorm.contract", "flashnorm.errors"}
+
 def test_loading_a_model_loads_no_onnx_exporter():
     """Finding and loading a model (`flashnorm.export.sources`) must not load the ONNX exporter,
     onnx, onnx-graphsurgeon or protobuf: the GPU test machine, which lacks onnx-graphsurgeon, loads
