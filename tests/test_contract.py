@@ -4,6 +4,7 @@ tests read the headers and sources and check that both say the same thing."""
 from __future__ import annotations
 
 import ctypes
+import functools
 import importlib.util
 import os
 import re
@@ -103,6 +104,7 @@ ABI_SOURCE = Path(__file__).resolve().parents[1] / "exporter" / "flashnorm" / "c
 _TYPE_CLASSES = {1: "integer", 2: "integer", 3: "integer", 4: "integer", 5: "pointer", 8: "float"}
 
 
+@functools.cache
 def _abi():
     """flashnorm.cuda_ops.abi, loaded from its file: it needs only the standard library, while
     importing the cuda_ops package loads torch and registers the ops."""
@@ -173,8 +175,9 @@ def compiled_abi(tmp_path_factory) -> dict:
     folder = tmp_path_factory.mktemp("abi")
     (folder / "cuda_runtime_api.h").write_text("typedef struct CUstream_st* cudaStream_t;\n")
     (folder / "probe.c").write_text(_probe_program(declared))
-    subprocess.run([compiler, "-std=c11", "-I", str(folder), "-I", str(HEADER.parents[1]), str(folder / "probe.c"),
-                    "-o", str(folder / "probe")], check=True, capture_output=True, text=True)
+    built = subprocess.run([compiler, "-std=c11", "-I", str(folder), "-I", str(HEADER.parents[1]),
+                            str(folder / "probe.c"), "-o", str(folder / "probe")], capture_output=True, text=True)
+    assert built.returncode == 0, f"the probe of flashnorm.h ({folder / 'probe.c'}) did not compile:\n{built.stderr}"
     output = subprocess.run([str(folder / "probe")], check=True, capture_output=True, text=True).stdout
     compiled = {"declared": declared, "enum": {}, "field": [], "return": {}, "parameter": {}}
     for line in output.splitlines():
