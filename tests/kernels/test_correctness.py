@@ -251,6 +251,6 @@ def test_missing_library_names_where_it_looked(monkeypatch, tmp_path):
 
     missing = tmp_path / "libflashnorm.so"
     monkeypatch.setenv("FLASHNORM_LIBRARY", str(missing))
-    monkeypatch.setattr(cuda_ops, "_library", None)
+    monkeypatch.setattr(cuda_ops.abi, "_library", None)
     with pytest.raises(FlashNormError, match=str(missing)):
         cuda_ops.join_dropped()

@@ -105,7 +105,7 @@ def test_inductor_form_keeps_the_library_call_only_where_auto_picks_fused(monkey
     """Under Inductor, "auto" stays one library call where AUTO picks the fused kernel or, up to the
     fused kernel's 16 rows, the epilogue-scale GEMM, and is otherwise x̂ = x ⊙ rsqrt(mean(x²)+eps)
     (rounded) then x̂·W*, one contiguous output per split."""
-    monkeypatch.setattr(cuda_ops, "resolve_strategy", picks)
+    monkeypatch.setattr(cuda_ops.lowering, "resolve_strategy", picks)
     with FakeTensorMode():
         on_gpu = torch.empty(rows, 64, dtype=torch.bfloat16, device="meta"), torch.empty(64, 96, dtype=torch.bfloat16, device="meta")
         on_cpu = torch.empty(rows, 64, dtype=torch.bfloat16), torch.empty(64, 96, dtype=torch.bfloat16)
@@ -175,7 +175,7 @@ def test_cpu_add_op_is_the_add_then_the_op():
 def test_add_inductor_form_keeps_the_library_call_where_the_fused_add_wins(monkeypatch, picks, rows, k, n, decomposed):
     """Where AUTO picks fused (or, from 9 to 16 rows, epilogue-scale): up to 8 rows, and up to 16 on
     a small W* only (the measured rule for the fused kernel's add)."""
-    monkeypatch.setattr(cuda_ops, "resolve_strategy", picks)
+    monkeypatch.setattr(cuda_ops.lowering, "resolve_strategy", picks)
     with FakeTensorMode():
         x = torch.empty(rows, k, dtype=torch.bfloat16, device="meta")
         w = torch.empty(k, n, dtype=torch.bfloat16, device="meta")

@@ -119,7 +119,7 @@ def test_epilogue_scale_tile_names_listed_in_every_build(built_library, monkeypa
     from flashnorm.errors import FlashNormError
 
     monkeypatch.setenv("FLASHNORM_LIBRARY", str(built_library))
-    monkeypatch.setattr(cuda_ops, "_library", None)
+    monkeypatch.setattr(cuda_ops.abi, "_library", None)
     names = cuda_ops.epilogue_scale_tile_names()
     assert len(names) == len(set(names)) == 15, names
     listed = {"row_sums_64x32", "one_wave_128x192", "128x192", "clusters_128x256", "one_wave_clusters_128x96"}
@@ -138,7 +138,7 @@ def test_auto_strategy_through_the_python_binding(built_library, epilogue_scale_
     from flashnorm import cuda_ops
 
     monkeypatch.setenv("FLASHNORM_LIBRARY", str(built_library))
-    monkeypatch.setattr(cuda_ops, "_library", None)
+    monkeypatch.setattr(cuda_ops.abi, "_library", None)
 
     def or_es(strategy: str) -> str:
         return "epilogue_scale" if epilogue_scale_built else strategy
@@ -204,7 +204,7 @@ def test_auto_epilogue_scale_region(built_library, epilogue_scale_built, monkeyp
     from flashnorm import cuda_ops
 
     monkeypatch.setenv("FLASHNORM_LIBRARY", str(built_library))
-    monkeypatch.setattr(cuda_ops, "_library", None)
+    monkeypatch.setattr(cuda_ops.abi, "_library", None)
     es = "epilogue_scale" if epilogue_scale_built else None
 
     def check(k: int, splits: list[int], expected_by_rows) -> None:
@@ -294,7 +294,7 @@ def test_auto_workspace_covers_every_smaller_m(built_library, monkeypatch):
     from flashnorm import cuda_ops
 
     monkeypatch.setenv("FLASHNORM_LIBRARY", str(built_library))
-    monkeypatch.setattr(cuda_ops, "_library", None)
+    monkeypatch.setattr(cuda_ops.abi, "_library", None)
     sites = [(576, [1536, 1536]), (576, [576, 192, 192]), (2048, [8192, 8192]), (4096, [4096, 1024, 1024]),
              (130, [24, 72]), (130, [5000])]
     for k, splits in sites:
@@ -316,7 +316,7 @@ def test_prenorm_side_workspace_only_for_several_runs(built_library, monkeypatch
     from flashnorm import cuda_ops
 
     monkeypatch.setenv("FLASHNORM_LIBRARY", str(built_library))
-    monkeypatch.setattr(cuda_ops, "_library", None)
+    monkeypatch.setattr(cuda_ops.abi, "_library", None)
     single = cuda_ops.workspace_size(1024, 576, [3072], torch.bfloat16, "prenorm")
     assert cuda_ops.workspace_size(1024, 576, [1536, 1536], torch.bfloat16, "prenorm") == single
     assert cuda_ops.workspace_size(1024, 576, [576, 192, 192], torch.bfloat16, "prenorm") == single + (32 << 20)

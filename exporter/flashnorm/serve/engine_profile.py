@@ -24,7 +24,7 @@ from flashnorm.errors import FlashNormError
 from flashnorm.serve.tensors import TritonSignature, TritonTensor
 
 if TYPE_CHECKING:  # the ranges are only read; importing flashnorm.engine would load onnx
-    from flashnorm.engine.shapes import ShapeRange
+    from flashnorm.engine import ShapeRange
 
 # Triton data types a TensorRT engine's I/O tensor can have (TensorRT's FLOAT, HALF, BF16,
 # INT8, INT32, INT64, BOOL, UINT8; FP8, INT4 and FP4 have no Triton type).

@@ -2,22 +2,20 @@
 
 A `TritonTensor` holds the model's full shape (batch dimension included, -1 for a variable
 dimension) and Triton's data-type name. Three sources: an ONNX file (only the graph's
-signature is read, never the weights), a TensorRT engine (needs `tensorrt` and the plugin
-library loaded so the engine deserializes), or explicit `--io` strings.
+signature is read, never the weights), a TensorRT engine (read by `flashnorm.engine.read_interface`:
+needs `tensorrt` and the plugin library loaded so the engine deserializes), or explicit `--io` strings.
 """
 
 from __future__ import annotations
 
-import ctypes
 import dataclasses
 import os
-from pathlib import Path
 from typing import TYPE_CHECKING, Iterable, Mapping, Sequence
 
 from flashnorm.errors import FlashNormError
 
 if TYPE_CHECKING:
-    from flashnorm.engine.shapes import ShapeRange
+    from flashnorm.engine import ShapeRange
 
 # ONNX TensorProto.DataType number → Triton ModelConfig DataType name.
 _ONNX_TO_TRITON = {
@@ -124,43 +122,25 @@ def signature_from_onnx(path: str | os.PathLike[str]) -> TritonSignature:
 def signature_from_engine(
     engine_path: str | os.PathLike[str], plugin_paths: Iterable[str | os.PathLike[str]] = ()
 ) -> TritonSignature:
-    """Deserialize a TensorRT engine (plugins loaded first) and read its I/O tensors and the
-    shape ranges of its optimization profile 0, the one Triton uses unless told otherwise."""
-    try:
-        import tensorrt as trt
-    except ImportError:
-        raise FlashNormError(
-            "reading inputs and outputs from a .plan needs TensorRT, which is not importable here; "
-            "pass --onnx MODEL.onnx (the ONNX the engine was built from) or --io specs instead"
-        ) from None
-    for plugin in plugin_paths:
-        # The plugin registers its creator when loaded (REGISTER_TENSORRT_PLUGIN), which is
-        # also how Triton loads it; RTLD_GLOBAL lets TensorRT find the symbols.
-        ctypes.CDLL(os.fspath(plugin), mode=ctypes.RTLD_GLOBAL)
-    logger = trt.Logger(trt.Logger.ERROR)
-    runtime = trt.Runtime(logger)
-    engine = runtime.deserialize_cuda_engine(Path(engine_path).read_bytes())
-    if engine is None:
-        raise FlashNormError(
-            f"TensorRT could not deserialize {engine_path} (wrong TensorRT version, or a plugin missing?)"
-        )
-    from flashnorm.engine.shapes import ShapeRange
+    """A TensorRT engine's I/O tensors and the shape ranges of its optimization profile 0, the one
+    Triton uses unless told otherwise, as `flashnorm.engine.read_interface` reads them (plugins
+    loaded first)."""
+    from flashnorm.engine import TensorRTMissing, read_interface  # onnx and TensorRT load only when an engine is read
 
+    try:
+        interface = read_interface(engine_path, plugin_paths)
+    except TensorRTMissing as missing:
+        raise FlashNormError(
+            f"{missing}; pass --onnx MODEL.onnx (the ONNX the engine was built from) or --io specs instead"
+        ) from None
     inputs: list[TritonTensor] = []
     outputs: list[TritonTensor] = []
-    profile: dict[str, ShapeRange] = {}
-    for index in range(engine.num_io_tensors):
-        name = engine.get_tensor_name(index)
-        dtype_name = engine.get_tensor_dtype(name).name
-        if dtype_name not in _TRT_TO_TRITON:
-            raise FlashNormError(f"engine tensor {name!r} has type {dtype_name}, which Triton has no type for")
-        is_input = engine.get_tensor_mode(name) == trt.TensorIOMode.INPUT
-        spec = TritonTensor(name, _TRT_TO_TRITON[dtype_name], tuple(engine.get_tensor_shape(name)), is_input)
-        (inputs if is_input else outputs).append(spec)
-        if is_input and -1 in spec.shape and engine.num_optimization_profiles > 0:
-            minimum, optimum, maximum = (tuple(shape) for shape in engine.get_tensor_profile_shape(name, 0))
-            profile[name] = ShapeRange(minimum, optimum, maximum)
-    return TritonSignature(tuple(inputs), tuple(outputs), "tensorrt", profile)
+    for tensor in interface.tensors:
+        if tensor.dtype not in _TRT_TO_TRITON:
+            raise FlashNormError(f"engine tensor {tensor.name!r} has type {tensor.dtype}, which Triton has no type for")
+        spec = TritonTensor(tensor.name, _TRT_TO_TRITON[tensor.dtype], tensor.shape, tensor.is_input)
+        (inputs if tensor.is_input else outputs).append(spec)
+    return TritonSignature(tuple(inputs), tuple(outputs), "tensorrt", dict(interface.profile))
 
 
 def parse_io_spec(text: str) -> TritonTensor:
