@@ -346,7 +346,8 @@ def test_each_library_source_is_compiled_once(tmp_path):
         missing_build_tool("cuBLASLt not found (pip install nvidia-cublas): CMake skips the kernel library")
     targets = ["flashnorm", "flashnorm_plugin"] if include else ["flashnorm"]
     commands = _run(["ninja", "-C", str(tmp_path), "-t", "commands", *targets], REPO).splitlines()
-    sources = ["capi.cpp", "runtime/context.cpp", "kernels/deferred_norm.cu", "kernels/normalize.cu", "kernels/fused.cu"]
+    sources = ["capi.cpp", "dispatch/dispatch.cpp", "runtime/context.cpp", "kernels/deferred_norm.cu",
+               "kernels/normalize.cu", "kernels/fused.cu"]
     for source in sources:
         compiles = [c for c in commands if f"plugins/flashnorm/{source}" in c and " -c " in c]
         assert len(compiles) == 1, f"{source}: {len(compiles)} compile commands for targets {targets}"
