@@ -481,7 +481,8 @@ EpilogueScaleTiles epilogue_scale_tiles(int64_t m, int64_t k, int64_t n, int mul
             return EpilogueScaleTiles::kOneWave128x128;
         int64_t const tall_wide_tiles = tile_count(m, n, kTallWide.rows, kTallWide.columns);
         if (long_k && fills_waves_as_well(tall_wide_tiles, large_tiles, multiprocessors))
-            return tall_wide_tiles <= multiprocessors ? EpilogueScaleTiles::kOneWave128x192 : EpilogueScaleTiles::k128x192;
+            return tall_wide_tiles <= multiprocessors ? EpilogueScaleTiles::kOneWave128x192
+                                                      : EpilogueScaleTiles::k128x192;
         if (large_tiles >= multiprocessors)
             return EpilogueScaleTiles::k128x128;
         if (long_k && fills_one_wave(tile_count(m, n, kNarrow.rows, kNarrow.columns), multiprocessors))
@@ -490,7 +491,8 @@ EpilogueScaleTiles epilogue_scale_tiles(int64_t m, int64_t k, int64_t n, int mul
     if (m <= kTiles.small_tile_max_rows)
     {
         if (tile_count(m, n, kSmall.rows, kSmall.columns) <= multiprocessors)
-            return k >= kTiles.deep_k_min_k ? EpilogueScaleTiles::kOneWave64x64DeepK : EpilogueScaleTiles::kOneWave64x64;
+            return k >= kTiles.deep_k_min_k ? EpilogueScaleTiles::kOneWave64x64DeepK
+                                            : EpilogueScaleTiles::kOneWave64x64;
         return tile_count(m, n, kRowSums128.rows, kRowSums128.columns) <= multiprocessors
             ? EpilogueScaleTiles::kRowSums64x128
             : EpilogueScaleTiles::kPingPong64x64;

@@ -90,13 +90,7 @@ char const* strategy_name(Strategy strategy)
     return "?";
 }
 
-struct Row
-{
-    std::string pick; // strategy,tiles,workspace rule
-    size_t bytes;
-};
-
-std::string workspace_rule(Problem const& problem, Strategy strategy, size_t bytes)
+std::string workspace_rule(Problem const& problem, size_t bytes)
 {
     if (bytes == 0)
         return "0";
@@ -104,7 +98,6 @@ std::string workspace_rule(Problem const& problem, Strategy strategy, size_t byt
         return "two_stream(m)";
     if (bytes == flashnorm::dispatch::workspace_bytes(problem, Strategy::kPrenorm, false))
         return "prenorm(m)";
-    (void) strategy;
     return std::to_string(bytes);
 }
 
@@ -171,13 +164,13 @@ int main(int argc, char** argv)
                             tiles = flashnorm::dispatch::epilogue_scale_tiles_name(
                                 flashnorm::dispatch::epilogue_scale_tiles(m, problem.k, problem.n, multiprocessors));
                         std::string const pick = std::string(strategy_name(choice.strategy)) + "," + tiles + ","
-                            + workspace_rule(problem, choice.strategy, choice.workspace_bytes);
+                            + workspace_rule(problem, choice.workspace_bytes);
                         size_t const need = flashnorm::dispatch::workspace_bytes(problem, choice.strategy, true);
                         largest_need = need > largest_need ? need : largest_need;
                         if (choice.workspace_bytes < largest_need)
                             fail(prefix + ": at " + std::to_string(m) + " rows the workspace ("
-                                + std::to_string(choice.workspace_bytes) + " bytes) misses " + std::to_string(largest_need)
-                                + " bytes that this row or a smaller one needs");
+                                + std::to_string(choice.workspace_bytes) + " bytes) misses "
+                                + std::to_string(largest_need) + " bytes that this row or a smaller one needs");
                         if (every_row)
                             std::printf("%s,%lld,%lld,%s,%zu\n", prefix.c_str(), static_cast<long long>(m),
                                 static_cast<long long>(m), pick.c_str(), choice.workspace_bytes);
