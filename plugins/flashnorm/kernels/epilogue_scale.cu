@@ -38,6 +38,7 @@
 
 #include "device.cuh"
 
+#include <type_traits>
 #include <utility>
 
 #include <cute/tensor.hpp>
@@ -702,6 +703,8 @@ struct ScaledGemm
 {
     static constexpr int kClusterM = ClusterM;
     static constexpr bool kSumsInMainLoop = SumsInMainLoop;
+    static constexpr int64_t kTileRows = decltype(size<0>(TileShape{}))::value;
+    static constexpr int64_t kTileColumns = decltype(size<1>(TileShape{}))::value;
     // The builder's own choice for these schedules (EpilogueTileAuto: 64 or 128 rows, 32 columns),
     // spelled out because the visitor's tensor maps take it as their box and the split edges
     // (epilogue_scale_shape_fits) must fall on its columns.
@@ -866,6 +869,10 @@ cudaError_t launch_gemm(T const* x, Element const* w, int64_t m, int64_t k, int6
     return cudaLaunchKernelEx(&config, cutlass::device_kernel<Kernel>, params);
 }
 
+// A tile configuration as a type (the launch below checks its GEMM's tile at compile time).
+template <EpilogueScaleTiles Tiles>
+using Configuration = std::integral_constant<EpilogueScaleTiles, Tiles>;
+
 template <typename T, class Element>
 cudaError_t launch_typed(void const* input, void const* weight, int64_t m, int64_t k, int64_t n, float eps,
     OutputSplits const& splits, float* inv_rms, int sm_count, int64_t delay_cycles, EpilogueScaleTiles tiles,
@@ -873,26 +880,41 @@ cudaError_t launch_typed(void const* input, void const* weight, int64_t m, int64
 {
     auto const* x = static_cast<T const*>(input);
     auto const* w = static_cast<Element const*>(weight);
-    auto const launch = [&](auto gemm) {
-        return launch_gemm<decltype(gemm)>(x, w, m, k, n, eps, inv_rms, splits, sm_count, delay_cycles, stream);
+    // Each configuration's GEMM has the tile the dispatch unit's table gives it (dispatch.h,
+    // epilogue_scale_tile_shape), the tile the dispatch's choice and AUTO's one-wave rule count.
+    auto const launch = [&](auto configuration, auto gemm) {
+        using Gemm = decltype(gemm);
+        constexpr EpilogueScaleTileShape tile = epilogue_scale_tile_shape(decltype(configuration)::value);
+        static_assert(Gemm::kTileRows == tile.rows && Gemm::kTileColumns == tile.columns
+                && Gemm::kSumsInMainLoop == tile.row_sums,
+            "the GEMM's tile is not the one dispatch/dispatch.h gives its configuration");
+        return launch_gemm<Gemm>(x, w, m, k, n, eps, inv_rms, splits, sm_count, delay_cycles, stream);
     };
+    using Tiles = EpilogueScaleTiles;
     switch (tiles)
     {
-    case EpilogueScaleTiles::kRowSums64x32: return launch(RowSumOneWaveGemm<Element, Shape<_64, _32, _64>>{});
-    case EpilogueScaleTiles::kRowSums64x64: return launch(RowSumOneWaveGemm<Element, Shape<_64, _64, _64>>{});
-    case EpilogueScaleTiles::kRowSums64x128: return launch(RowSumOneWaveGemm<Element, Shape<_64, _128, _64>>{});
-    case EpilogueScaleTiles::kRowSumsPingPong64x128: return launch(RowSumPingPongGemm<Element>{});
-    case EpilogueScaleTiles::kOneWave64x64: return launch(OneWaveGemm<Element, Shape<_64, _64, _64>>{});
-    case EpilogueScaleTiles::kOneWave64x64DeepK: return launch(OneWaveGemm<Element, Shape<_64, _64, _128>>{});
-    case EpilogueScaleTiles::kPingPong64x64: return launch(SmallTileGemm<Element>{});
-    case EpilogueScaleTiles::kOneWave128x64:
-    case EpilogueScaleTiles::k128x64: return launch(NarrowTileGemm<Element>{});
-    case EpilogueScaleTiles::kOneWave128x128:
-    case EpilogueScaleTiles::k128x128: return launch(LargeTileGemm<Element>{});
-    case EpilogueScaleTiles::kOneWave128x192:
-    case EpilogueScaleTiles::k128x192: return launch(TallWideTileGemm<Element>{});
-    case EpilogueScaleTiles::kClusters128x256: return launch(WideTileGemm<Element>{});
-    case EpilogueScaleTiles::kOneWaveClusters128x96: return launch(PairedTileGemm<Element>{});
+    case Tiles::kRowSums64x32:
+        return launch(Configuration<Tiles::kRowSums64x32>{}, RowSumOneWaveGemm<Element, Shape<_64, _32, _64>>{});
+    case Tiles::kRowSums64x64:
+        return launch(Configuration<Tiles::kRowSums64x64>{}, RowSumOneWaveGemm<Element, Shape<_64, _64, _64>>{});
+    case Tiles::kRowSums64x128:
+        return launch(Configuration<Tiles::kRowSums64x128>{}, RowSumOneWaveGemm<Element, Shape<_64, _128, _64>>{});
+    case Tiles::kRowSumsPingPong64x128:
+        return launch(Configuration<Tiles::kRowSumsPingPong64x128>{}, RowSumPingPongGemm<Element>{});
+    case Tiles::kOneWave64x64:
+        return launch(Configuration<Tiles::kOneWave64x64>{}, OneWaveGemm<Element, Shape<_64, _64, _64>>{});
+    case Tiles::kOneWave64x64DeepK:
+        return launch(Configuration<Tiles::kOneWave64x64DeepK>{}, OneWaveGemm<Element, Shape<_64, _64, _128>>{});
+    case Tiles::kPingPong64x64: return launch(Configuration<Tiles::kPingPong64x64>{}, SmallTileGemm<Element>{});
+    case Tiles::kOneWave128x64: return launch(Configuration<Tiles::kOneWave128x64>{}, NarrowTileGemm<Element>{});
+    case Tiles::k128x64: return launch(Configuration<Tiles::k128x64>{}, NarrowTileGemm<Element>{});
+    case Tiles::kOneWave128x128: return launch(Configuration<Tiles::kOneWave128x128>{}, LargeTileGemm<Element>{});
+    case Tiles::k128x128: return launch(Configuration<Tiles::k128x128>{}, LargeTileGemm<Element>{});
+    case Tiles::kOneWave128x192: return launch(Configuration<Tiles::kOneWave128x192>{}, TallWideTileGemm<Element>{});
+    case Tiles::k128x192: return launch(Configuration<Tiles::k128x192>{}, TallWideTileGemm<Element>{});
+    case Tiles::kClusters128x256: return launch(Configuration<Tiles::kClusters128x256>{}, WideTileGemm<Element>{});
+    case Tiles::kOneWaveClusters128x96:
+        return launch(Configuration<Tiles::kOneWaveClusters128x96>{}, PairedTileGemm<Element>{});
     }
     return cudaErrorInvalidValue;
 }
