@@ -1,7 +1,9 @@
-// The C ABI (include/flashnorm/flashnorm.h): argument checks, strategy choice, dispatch.
-#include <algorithm>
+// The C ABI (include/flashnorm/flashnorm.h): argument checks, then the strategy the dispatch unit
+// (dispatch/dispatch.h) picks, launched.
+#include <atomic>
 #include <new>
 
+#include "dispatch/dispatch.h"
 #include "flashnorm/flashnorm.h"
 #include "kernels/kernels.h"
 #include "runtime/check.h"
@@ -9,91 +11,6 @@
 
 namespace
 {
-
-// AUTO's crossovers: the one table of thresholds AUTO picks a strategy by (libflashnorm.so and the
-// TensorRT plugin run this same code). Each was measured on an NVIDIA H200 with bf16, W* from HBM
-// and CUDA-graph replay; what was measured, where and when is in kernels/NOTES.md ("AUTO's table").
-struct AutoTable
-{
-    // fused: at most this many rows (two 8-token B operands) ...
-    int64_t fused_max_rows;
-    // ... always up to this many rows (one B operand) ...
-    int64_t fused_max_rows_one_group;
-    // ... and beyond it only while K·N is at most this (fused's re-read of W* per 8 rows).
-    int64_t fused_max_weight_two_groups;
-    // prenorm, where all splits form one run: from this many rows (further up where the
-    // epilogue-scale GEMM's output fits epilogue_scale_one_wave_elements, below) ...
-    int64_t prenorm_min_rows;
-    // ... or from this many where K·N is at least prenorm_large_weight;
-    int64_t prenorm_min_rows_large_weight;
-    int64_t prenorm_large_weight;
-    // with a narrower run: also M × (narrowest run width) at least this;
-    int64_t prenorm_min_narrow_run_elements;
-    // fp32 (CUDA-core GEMMs): from this many rows, whatever the splits.
-    int64_t prenorm_min_rows_f32;
-    // epilogue-scale (builds with the CUTLASS kernel), where K is at most epilogue_scale_max_k:
-    // from epilogue_scale_min_rows to epilogue_scale_max_rows rows (below prenorm's region, which
-    // for one run of splits starts only past M·N = epilogue_scale_one_wave_elements, about one
-    // wave of its 64×128 tiles; elsewhere it measured slower than what AUTO picks) ...
-    int64_t epilogue_scale_min_rows;
-    int64_t epilogue_scale_max_rows;
-    // ... to epilogue_scale_split_runs_max_rows where the splits form several runs (ahead of
-    // two_stream and of prenorm, whose region then starts after these rows) ...
-    int64_t epilogue_scale_split_runs_max_rows;
-    int64_t epilogue_scale_max_k;
-    int64_t epilogue_scale_one_wave_elements;
-    // ... where K is at least epilogue_scale_long_k: at exactly epilogue_scale_long_k_rows rows
-    // where the splits form several runs, or one run with K·N below
-    // epilogue_scale_one_run_max_weight (a large-weight prenorm region then starts after it) ...
-    int64_t epilogue_scale_long_k_rows;
-    int64_t epilogue_scale_long_k;
-    int64_t epilogue_scale_one_run_max_weight;
-    // ... and for any K from epilogue_scale_one_wave_min_rows rows wherever its tiles run in one
-    // wave at least epilogue_scale_one_wave_fill_percent % full, except 64-row tiles that sum the
-    // rows in the main loop on K past epilogue_scale_max_k beyond one row block, and 128-row tiles
-    // whose last row block is less than epilogue_scale_last_block_sixteenths / 16 full (there
-    // two_stream's cuBLAS tiles measured faster); 128×192 tiles at least
-    // epilogue_scale_192_column_fill_percent % full with a last row block at least
-    // epilogue_scale_192_column_last_block_sixteenths / 16 full; 128×96 tiles in clusters of two
-    // with a last row block at least epilogue_scale_96_column_last_block_sixteenths / 16 full, or
-    // any last row block from epilogue_scale_96_column_row_blocks row blocks; its tiles as the
-    // kernel library picks them on epilogue_scale_multiprocessors, the H200's.
-    int64_t epilogue_scale_one_wave_min_rows;
-    int64_t epilogue_scale_one_wave_fill_percent;
-    int64_t epilogue_scale_last_block_sixteenths;
-    int64_t epilogue_scale_192_column_fill_percent;
-    int64_t epilogue_scale_192_column_last_block_sixteenths;
-    int64_t epilogue_scale_96_column_last_block_sixteenths;
-    int64_t epilogue_scale_96_column_row_blocks;
-    int epilogue_scale_multiprocessors;
-};
-
-constexpr AutoTable kAuto{
-    /*fused_max_rows=*/16,
-    /*fused_max_rows_one_group=*/8,
-    /*fused_max_weight_two_groups=*/int64_t(1) << 25,
-    /*prenorm_min_rows=*/256,
-    /*prenorm_min_rows_large_weight=*/64,
-    /*prenorm_large_weight=*/int64_t(1) << 25,
-    /*prenorm_min_narrow_run_elements=*/int64_t(5) << 18,
-    /*prenorm_min_rows_f32=*/1024,
-    /*epilogue_scale_min_rows=*/17,
-    /*epilogue_scale_max_rows=*/1024,
-    /*epilogue_scale_split_runs_max_rows=*/4096,
-    /*epilogue_scale_max_k=*/1024,
-    /*epilogue_scale_one_wave_elements=*/int64_t(1) << 20,
-    /*epilogue_scale_long_k_rows=*/64,
-    /*epilogue_scale_long_k=*/2048,
-    /*epilogue_scale_one_run_max_weight=*/int64_t(1) << 26,
-    /*epilogue_scale_one_wave_min_rows=*/9,
-    /*epilogue_scale_one_wave_fill_percent=*/70,
-    /*epilogue_scale_last_block_sixteenths=*/9,
-    /*epilogue_scale_192_column_fill_percent=*/80,
-    /*epilogue_scale_192_column_last_block_sixteenths=*/12,
-    /*epilogue_scale_96_column_last_block_sixteenths=*/8,
-    /*epilogue_scale_96_column_row_blocks=*/4,
-    /*epilogue_scale_multiprocessors=*/132,
-};
 
 bool valid_dtype(flashnorm_dtype dtype)
 {
@@ -153,166 +70,74 @@ char const* problem_error(flashnorm_problem const* problem)
     return "";
 }
 
-// Whether epilogue-scale can run this problem's dtype and shape in this build (the device and
-// the pointers are known only at the call: epilogue_scale_refusal).
-bool epilogue_scale_fits(flashnorm_problem const& problem)
+static_assert(static_cast<int>(flashnorm::dispatch::Strategy::kTwoStream) == FLASHNORM_STRATEGY_TWO_STREAM
+        && static_cast<int>(flashnorm::dispatch::Strategy::kFused) == FLASHNORM_STRATEGY_FUSED
+        && static_cast<int>(flashnorm::dispatch::Strategy::kPrenorm) == FLASHNORM_STRATEGY_PRENORM
+        && static_cast<int>(flashnorm::dispatch::Strategy::kEpilogueScale) == FLASHNORM_STRATEGY_EPILOGUE_SCALE,
+    "dispatch::Strategy mirrors flashnorm_strategy");
+
+// A well-formed problem (problem_error) as the dispatch unit takes it.
+flashnorm::dispatch::Problem dispatch_problem(flashnorm_problem const& problem)
 {
-    return flashnorm::epilogue_scale_built()
-        && flashnorm::epilogue_scale_shape_fits(
-            problem.dtype, problem.k, problem.n, problem.num_outputs, problem.split_sizes);
+    flashnorm::dispatch::Problem converted{};
+    converted.m = problem.m;
+    converted.k = problem.k;
+    converted.n = problem.n;
+    converted.split_count = problem.num_outputs;
+    for (int i = 0; i < problem.num_outputs; ++i)
+        converted.split_sizes[i] = problem.split_sizes[i];
+    converted.dtype = flashnorm::dispatch_dtype(problem.dtype);
+    return converted;
 }
 
-// Whether AUTO's short-K epilogue-scale rows apply to this K and dtype (any splits, any M).
-bool epilogue_scale_short_k(flashnorm_problem const& problem)
+// The current device's multiprocessors, for the calls that take no context (flashnorm_workspace_size,
+// flashnorm_resolve_strategy), asked once per device; where no device answers (no GPU or no driver:
+// CI, a build machine), the count AUTO's boundaries were measured on.
+int current_multiprocessors()
 {
-    return epilogue_scale_fits(problem) && problem.k <= kAuto.epilogue_scale_max_k;
-}
-
-// Whether AUTO's one-run long-K epilogue-scale rows apply to this K, N and dtype (all splits one
-// run; any M).
-bool epilogue_scale_one_run_long_k(flashnorm_problem const& problem)
-{
-    return epilogue_scale_fits(problem) && problem.k >= kAuto.epilogue_scale_long_k
-        && problem.k * problem.n < kAuto.epilogue_scale_one_run_max_weight;
-}
-
-// Where all splits form one run of a smaller W*: prenorm from prenorm_min_rows, or on short K
-// first past the rows whose epilogue-scale output fits about one wave of its tiles (at most to
-// the end of the epilogue-scale region).
-int64_t one_run_prenorm_min_rows(flashnorm_problem const& problem)
-{
-    if (!epilogue_scale_short_k(problem))
-        return kAuto.prenorm_min_rows;
-    int64_t const past_one_wave = kAuto.epilogue_scale_one_wave_elements / problem.n + 1;
-    return std::clamp(past_one_wave, kAuto.prenorm_min_rows, kAuto.epilogue_scale_max_rows + 1);
-}
-
-// The fewest rows from which AUTO picks prenorm for this problem's K, splits and dtype. AUTO's
-// prenorm region is every M at or above it (the workspace size relies on that).
-int64_t prenorm_min_rows(flashnorm_problem const& problem)
-{
-    if (problem.dtype == FLASHNORM_DTYPE_F32)
-        return kAuto.prenorm_min_rows_f32;
-    flashnorm::SplitRun runs[FLASHNORM_MAX_OUTPUTS];
-    int const run_count = flashnorm::split_runs(problem, runs);
-    if (run_count == 1 && problem.k * problem.n >= kAuto.prenorm_large_weight)
-        return epilogue_scale_one_run_long_k(problem) ? kAuto.epilogue_scale_long_k_rows + 1
-                                                      : kAuto.prenorm_min_rows_large_weight;
-    if (run_count == 1)
-        return one_run_prenorm_min_rows(problem);
-    int64_t narrowest = problem.n;
-    for (int r = 0; r < run_count; ++r)
-        narrowest = std::min(narrowest, runs[r].columns());
-    int64_t const rows = (kAuto.prenorm_min_narrow_run_elements + narrowest - 1) / narrowest;
-    if (epilogue_scale_short_k(problem))
-        return std::max(rows, kAuto.epilogue_scale_split_runs_max_rows + 1);
-    return std::max(rows, kAuto.prenorm_min_rows);
-}
-
-// AUTO's one-wave rule for a tile configuration: how full the wave must be, how full its last
-// row block (sixteenths of a 128-row tile), and from how many row blocks any last block will do
-// (0: never).
-struct OneWaveRule
-{
-    int64_t fill_percent;
-    int64_t last_block_sixteenths;
-    int64_t any_last_block_row_blocks;
-};
-
-// 128×192 tiles by their own two entries (their one wave at 73 % and a last row block of 72 rows
-// measured slower than two_stream on K = 4096), 128×96 clusters by theirs (over two or three row
-// blocks a last one of 64 rows measured faster than two_stream, of 1 to 48 rows slower; over four,
-// any), every other configuration by the common two.
-OneWaveRule one_wave_rule(flashnorm::EpilogueScaleTiles configuration)
-{
-    switch (configuration)
+    constexpr int kCachedDevices = 64;
+    static std::atomic<int> known[kCachedDevices]; // zero: not asked yet
+    int device = 0;
+    if (cudaGetDevice(&device) != cudaSuccess)
     {
-    case flashnorm::EpilogueScaleTiles::kOneWave128x192:
-        return {kAuto.epilogue_scale_192_column_fill_percent, kAuto.epilogue_scale_192_column_last_block_sixteenths, 0};
-    case flashnorm::EpilogueScaleTiles::kOneWaveClusters128x96:
-        return {kAuto.epilogue_scale_one_wave_fill_percent, kAuto.epilogue_scale_96_column_last_block_sixteenths,
-            kAuto.epilogue_scale_96_column_row_blocks};
-    default: return {kAuto.epilogue_scale_one_wave_fill_percent, kAuto.epilogue_scale_last_block_sixteenths, 0};
+        cudaGetLastError(); // leave the caller no error of ours
+        return flashnorm::dispatch::measured_multiprocessors();
     }
+    bool const cached = device >= 0 && device < kCachedDevices;
+    if (cached && known[device].load(std::memory_order_relaxed) > 0)
+        return known[device].load(std::memory_order_relaxed);
+    int count = 0;
+    if (cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, device) != cudaSuccess || count < 1)
+    {
+        cudaGetLastError();
+        return flashnorm::dispatch::measured_multiprocessors();
+    }
+    if (cached)
+        known[device].store(count, std::memory_order_relaxed);
+    return count;
 }
 
-// Whether the epilogue-scale GEMM's tiles for this problem (on the H200's multiprocessors) run in
-// one wave that AUTO takes (one_wave_rule): full enough, 64-row tiles summing the rows in the main
-// loop on long K in one row block only, 128-row tiles with a full enough last row block.
-bool epilogue_scale_one_wave_taken(flashnorm_problem const& problem)
+// AUTO's pick and workspace: the dispatch unit's (dispatch/dispatch.cpp, where every crossover is),
+// on a device of `multiprocessors` multiprocessors (a call's: its context's device; a size or a
+// resolution asked without one: the current device, current_multiprocessors).
+flashnorm::dispatch::Choice auto_choice(flashnorm_problem const& problem, int multiprocessors)
 {
-    int const multiprocessors = kAuto.epilogue_scale_multiprocessors;
-    flashnorm::EpilogueScaleTiles const configuration
-        = flashnorm::epilogue_scale_tiles(problem.m, problem.k, problem.n, multiprocessors);
-    flashnorm::EpilogueScaleTileShape const tile = flashnorm::epilogue_scale_tile_shape(configuration);
-    OneWaveRule const rule = one_wave_rule(configuration);
-    int64_t const tiles = flashnorm::tile_count(problem.m, problem.n, tile.rows, tile.columns);
-    if (!tile.one_wave || 100 * tiles < rule.fill_percent * multiprocessors)
-        return false;
-    if (tile.row_sums && problem.k > kAuto.epilogue_scale_max_k)
-        return problem.m <= tile.rows;
-    int64_t const row_blocks = (problem.m + tile.rows - 1) / tile.rows;
-    if (rule.any_last_block_row_blocks > 0 && row_blocks >= rule.any_last_block_row_blocks)
-        return true;
-    int64_t const last_block_rows = (problem.m - 1) % tile.rows + 1;
-    return tile.rows < 128 || 16 * last_block_rows >= rule.last_block_sixteenths * tile.rows;
+    return flashnorm::dispatch::choose(dispatch_problem(problem), multiprocessors, flashnorm::epilogue_scale_built());
 }
 
-// AUTO's epilogue-scale region. Whether the device and the pointers allow it is known only at
-// the call (epilogue_scale_refusal); there AUTO falls back to two_stream, whose workspace
-// workspace_bytes_for() therefore reserves too.
-bool auto_picks_epilogue_scale(flashnorm_problem const& problem)
-{
-    if (!epilogue_scale_fits(problem))
-        return false;
-    flashnorm::SplitRun runs[FLASHNORM_MAX_OUTPUTS];
-    bool const several_runs = flashnorm::split_runs(problem, runs) > 1;
-    if (epilogue_scale_short_k(problem) && problem.m >= kAuto.epilogue_scale_min_rows
-        && problem.m <= (several_runs ? kAuto.epilogue_scale_split_runs_max_rows : kAuto.epilogue_scale_max_rows))
-        return true;
-    if (problem.m == kAuto.epilogue_scale_long_k_rows
-        && (several_runs ? problem.k >= kAuto.epilogue_scale_long_k : epilogue_scale_one_run_long_k(problem)))
-        return true;
-    return problem.m >= kAuto.epilogue_scale_one_wave_min_rows && epilogue_scale_one_wave_taken(problem);
-}
-
-flashnorm_strategy resolve(flashnorm_problem const& problem)
+flashnorm_strategy resolve(flashnorm_problem const& problem, int multiprocessors)
 {
     if (problem.strategy != FLASHNORM_STRATEGY_AUTO)
         return problem.strategy;
-    if (problem.m >= prenorm_min_rows(problem))
-        return FLASHNORM_STRATEGY_PRENORM;
-    if (auto_picks_epilogue_scale(problem))
-        return FLASHNORM_STRATEGY_EPILOGUE_SCALE;
-    bool const tensor_cores
-        = problem.dtype != FLASHNORM_DTYPE_F32 && flashnorm::fused_tensor_core_shape(problem.k, problem.n);
-    int64_t const weight = problem.k * problem.n;
-    bool const fused_wins = problem.m <= kAuto.fused_max_rows_one_group
-        || (problem.m <= kAuto.fused_max_rows && weight <= kAuto.fused_max_weight_two_groups);
-    return tensor_cores && fused_wins ? FLASHNORM_STRATEGY_FUSED : FLASHNORM_STRATEGY_TWO_STREAM;
+    return static_cast<flashnorm_strategy>(auto_choice(problem, multiprocessors).strategy);
 }
 
-
-// Bytes `strategy` (resolved, never AUTO) needs for exactly this problem.
+// Bytes `strategy` (resolved, never AUTO) needs for exactly this problem (under AUTO, epilogue-scale
+// with room for its two_stream fallback).
 size_t workspace_bytes_for(flashnorm_problem const& problem, flashnorm_strategy strategy)
 {
-    switch (strategy)
-    {
-    case FLASHNORM_STRATEGY_FUSED: return 0;
-    case FLASHNORM_STRATEGY_EPILOGUE_SCALE:
-        // Under AUTO the call may fall back to two_stream (above): room for both.
-        return problem.strategy == FLASHNORM_STRATEGY_AUTO
-            ? std::max(flashnorm::epilogue_scale_workspace_bytes(problem.m),
-                flashnorm::two_stream_layout(problem.m, problem.n, problem.dtype).total)
-            : flashnorm::epilogue_scale_workspace_bytes(problem.m);
-    case FLASHNORM_STRATEGY_PRENORM:
-    {
-        flashnorm::SplitRun runs[FLASHNORM_MAX_OUTPUTS];
-        return flashnorm::prenorm_layout(problem.m, problem.k, problem.dtype, flashnorm::split_runs(problem, runs))
-            .total;
-    }
-    default: return flashnorm::two_stream_layout(problem.m, problem.n, problem.dtype).total;
-    }
+    return flashnorm::dispatch::workspace_bytes(dispatch_problem(problem),
+        static_cast<flashnorm::dispatch::Strategy>(strategy), problem.strategy == FLASHNORM_STRATEGY_AUTO);
 }
 
 size_t element_bytes(flashnorm_dtype dtype)
@@ -361,7 +186,7 @@ flashnorm_status enqueue(flashnorm_context* context, flashnorm_problem const* pr
         splits.offsets[i + 1] = splits.offsets[i] + problem->split_sizes[i];
     }
 
-    flashnorm_strategy strategy = resolve(*problem);
+    flashnorm_strategy strategy = resolve(*problem, context->sm_count);
     bool const adds = add.residual != nullptr;
     if (strategy == FLASHNORM_STRATEGY_FUSED)
     {
@@ -439,26 +264,17 @@ size_t flashnorm_workspace_size(flashnorm_problem const* problem)
 {
     if (*problem_error(problem) != '\0')
         return 0;
-    size_t bytes = workspace_bytes_for(*problem, resolve(*problem));
-    int64_t const threshold = prenorm_min_rows(*problem);
-    if (problem->strategy == FLASHNORM_STRATEGY_AUTO && problem->m >= threshold)
-    {
-        // AUTO picks another strategy for fewer rows; the size covers every smaller M (the
-        // TensorRT plugin sizes its workspace once, for the profile's largest M). Each strategy's
-        // own size grows with M, so its largest M below the threshold is the one to cover.
-        flashnorm_problem below = *problem;
-        below.m = threshold - 1;
-        size_t const smaller = workspace_bytes_for(below, resolve(below));
-        bytes = smaller > bytes ? smaller : bytes;
-    }
-    return bytes;
+    // Under AUTO the size also covers every smaller M (dispatch::choose).
+    if (problem->strategy == FLASHNORM_STRATEGY_AUTO)
+        return auto_choice(*problem, current_multiprocessors()).workspace_bytes;
+    return workspace_bytes_for(*problem, problem->strategy);
 }
 
 flashnorm_strategy flashnorm_resolve_strategy(flashnorm_problem const* problem)
 {
     if (*problem_error(problem) != '\0')
         return FLASHNORM_STRATEGY_TWO_STREAM;
-    return resolve(*problem);
+    return resolve(*problem, current_multiprocessors());
 }
 
 flashnorm_status flashnorm_matmul(flashnorm_context* context, flashnorm_problem const* problem, void const* x,

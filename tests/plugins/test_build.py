@@ -7,8 +7,10 @@ reason, except in CI (CI=true), which must build the library: there they fail.
 
 from __future__ import annotations
 
+import csv
 import ctypes
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -17,6 +19,8 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
+GOLDEN = Path(__file__).resolve().parent / "golden" / "auto_dispatch.csv"
+"""AUTO's golden table (plugins/flashnorm/dispatch/write_golden.py)."""
 CONFIGURE_LOG = "cmake-configure.log"
 """Where `built_library` keeps what CMake printed when configuring its build."""
 ABI = [
@@ -129,54 +133,44 @@ def test_epilogue_scale_tile_names_listed_in_every_build(built_library, monkeypa
         cuda_ops.set_epilogue_scale_tiles("64x48")
 
 
-def test_auto_strategy_through_the_python_binding(built_library, epilogue_scale_built, monkeypatch):
-    """AUTO's measured thresholds (kAuto in capi.cpp), asked through flashnorm.cuda_ops: no GPU needed.
-    Where a build with the CUTLASS kernel runs epilogue-scale instead (its rows are
-    test_auto_epilogue_scale_region's), `or_es` names what a build without it runs."""
+def _auto_multiprocessors() -> int:
+    """The multiprocessors the library's AUTO counts in this process: the current GPU's, else (no
+    device answers) the count dispatch.cpp says its boundaries were measured on."""
+    import torch
+
+    if torch.cuda.is_available():
+        return torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
+    policy = (REPO / "plugins" / "flashnorm" / "dispatch" / "dispatch.cpp").read_text()
+    return int(re.search(r"\.measured_multiprocessors = (\d+),", policy).group(1))
+
+
+def test_auto_matches_the_golden_table_through_the_python_binding(built_library, epilogue_scale_built, monkeypatch):
+    """The built library's AUTO, asked through flashnorm.cuda_ops and the C ABI (no GPU needed), is the
+    dispatch unit's: its strategy at the first and last row of every run of AUTO's golden table
+    (tests/plugins/golden/auto_dispatch.csv) for this build, with or without the CUTLASS kernel, and
+    the multiprocessors AUTO counts here, and its workspace size at the run's last row. The boundaries
+    are in plugins/flashnorm/dispatch/dispatch.cpp; test_dispatch_golden.py checks the table against
+    them (and the workspace's cover of every smaller M on every row) without nvcc."""
     import torch
 
     from flashnorm import cuda_ops
 
     monkeypatch.setenv("FLASHNORM_LIBRARY", str(built_library))
     monkeypatch.setattr(cuda_ops.abi, "_library", None)
-
-    def or_es(strategy: str) -> str:
-        return "epilogue_scale" if epilogue_scale_built else strategy
-
-    assert cuda_ops.resolve_strategy(1, 576, 960, torch.bfloat16) == "fused"
-    assert cuda_ops.resolve_strategy(16, 576, 960, torch.float16) == "fused"
-    assert cuda_ops.resolve_strategy(17, 576, 960, torch.bfloat16) == or_es("two_stream")
-    assert cuda_ops.resolve_strategy(16, 576, 3072, torch.bfloat16) == or_es("fused")
-    assert cuda_ops.resolve_strategy(16, 2048, 3072, torch.bfloat16) == "fused"
-    assert cuda_ops.resolve_strategy(16, 4096, 6144, torch.bfloat16) == or_es("fused")
-    assert cuda_ops.resolve_strategy(16, 2048, 16384, torch.bfloat16) == or_es("fused")
-    assert cuda_ops.resolve_strategy(17, 2048, 16384, torch.bfloat16) == or_es("two_stream")
-    assert cuda_ops.resolve_strategy(16, 2048, 16392, torch.bfloat16) == or_es("two_stream")
-    # The same two thresholds where a split edge off the 32-column grid keeps epilogue-scale out.
-    assert cuda_ops.resolve_strategy(16, 2048, 16384, torch.bfloat16, [8184, 8200]) == "fused"
-    assert cuda_ops.resolve_strategy(16, 2048, 16392, torch.float16, [16376, 16]) == "two_stream"
-    assert cuda_ops.resolve_strategy(8, 4096, 28672, torch.bfloat16) == "fused"
-    assert cuda_ops.resolve_strategy(9, 4096, 28672, torch.bfloat16) == "two_stream"
-    assert cuda_ops.resolve_strategy(1, 576, 960, torch.float32) == "two_stream"
-    assert cuda_ops.resolve_strategy(1, 576, 962, torch.bfloat16) == "two_stream"
-    assert cuda_ops.resolve_strategy(255, 4096, 6144, torch.bfloat16) == or_es("two_stream")
-    assert cuda_ops.resolve_strategy(256, 4096, 6144, torch.bfloat16) == "prenorm"
-    # Prenorm runs one GEMM per run of equal-width splits: under AUTO (16-bit) M × the narrowest run's
-    # columns must be >= 1.25·2^20 (k|v: 2048 columns here), unless all splits are one run.
-    qkv = [4096, 1024, 1024]
-    assert cuda_ops.resolve_strategy(639, 4096, 6144, torch.bfloat16, qkv) == "two_stream"
-    assert cuda_ops.resolve_strategy(640, 4096, 6144, torch.float16, qkv) == "prenorm"
-    assert cuda_ops.resolve_strategy(6827, 576, 960, torch.bfloat16, [192, 576, 192]) == "prenorm"
-    assert cuda_ops.resolve_strategy(512, 576, 3072, torch.bfloat16, [1536, 1536]) == "prenorm"
-    assert cuda_ops.resolve_strategy(63, 576, 3072, torch.bfloat16, [1536, 1536]) == or_es("two_stream")
-    assert cuda_ops.resolve_strategy(63, 2048, 16384, torch.bfloat16, [8192, 8192]) == or_es("two_stream")
-    assert cuda_ops.resolve_strategy(64, 4096, 28672, torch.float16) == "prenorm"
-    assert cuda_ops.resolve_strategy(64, 2048, 32768, torch.bfloat16, [16384, 16384]) == "prenorm"
-    assert cuda_ops.resolve_strategy(128, 4096, 6144, torch.bfloat16) == "two_stream"
-    assert cuda_ops.resolve_strategy(64, 2048, 16384, torch.float32) == "two_stream"
-    assert cuda_ops.resolve_strategy(1023, 4096, 6144, torch.float32, qkv) == "two_stream"
-    assert cuda_ops.resolve_strategy(1024, 4096, 6144, torch.float32, qkv) == "prenorm"
-    assert cuda_ops.resolve_strategy(4096, 576, 962, torch.float32) == "prenorm"
+    multiprocessors = _auto_multiprocessors()
+    with GOLDEN.open(newline="") as file:
+        runs = [row for row in csv.DictReader(file) if row["epilogue_scale_built"] == str(int(epilogue_scale_built))
+                and int(row["multiprocessors"]) == multiprocessors]
+    if not runs:
+        pytest.skip(f"AUTO's golden table has no rows for {multiprocessors} multiprocessors")
+    dtypes = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
+    for run in runs:
+        k, splits, dtype = int(run["k"]), [int(size) for size in run["splits"].split("|")], dtypes[run["dtype"]]
+        label = (run["site"], run["dtype"])
+        for m in (int(run["m_from"]), int(run["m_to"])):
+            assert cuda_ops.resolve_strategy(m, k, sum(splits), dtype, splits) == run["strategy"], (*label, m)
+        last = int(run["m_to"])
+        assert cuda_ops.workspace_size(last, k, splits, dtype) == int(run["workspace_bytes_at_m_to"]), (*label, last)
     assert cuda_ops.join_dropped() is False
 
 
@@ -184,128 +178,6 @@ def test_auto_strategy_through_the_python_binding(built_library, epilogue_scale_
 def epilogue_scale_built(built_library) -> bool:
     """Whether that build has the CUTLASS kernel, as CMake said when configuring it."""
     return "(epilogue-scale strategy built)" in (built_library.parents[2] / CONFIGURE_LOG).read_text()
-
-
-def test_auto_epilogue_scale_region(built_library, epilogue_scale_built, monkeypatch):
-    """Built with the CUTLASS kernel, AUTO picks epilogue-scale (kAuto; each region measured faster
-    than what AUTO picked before, kernels/DESIGN.md): with K <= 1024 from 17 rows to 1024 below
-    prenorm's region (which for one run of splits starts past M·N = 2^20 there; for several runs, to
-    4096 rows ahead of prenorm's region, which then starts at 4097 at the earliest); with K >= 2048
-    at exactly 64 rows where the splits form several runs or one run with K·N < 2^26, a large-weight
-    prenorm region then starting at 65 rows; and from 9 rows wherever its tiles run in one wave at
-    least 70 % full of the H200's 132 multiprocessors, except 64-row tiles summing the rows in the
-    main loop on long K beyond one row block and 128-row tiles whose last row block is less than
-    9/16 full (128×192 tiles: 80 % and 12/16; 128×96 tiles in clusters of two: 8/16 over two or
-    three row blocks, any over four). Built without, fused, two_stream, or prenorm from 64 rows on a one-run W* of
-    K·N >= 2^25. Either way AUTO reserves two_stream's workspace there: the call falls back to
-    two_stream where the device or the pointers refuse the CUTLASS kernel."""
-    import torch
-
-    from flashnorm import cuda_ops
-
-    monkeypatch.setenv("FLASHNORM_LIBRARY", str(built_library))
-    monkeypatch.setattr(cuda_ops.abi, "_library", None)
-    es = "epilogue_scale" if epilogue_scale_built else None
-
-    def check(k: int, splits: list[int], expected_by_rows) -> None:
-        for m, expected in expected_by_rows:
-            assert cuda_ops.resolve_strategy(m, k, sum(splits), torch.bfloat16, splits) == expected, (m, k, splits)
-
-    qkv = [576, 192, 192]
-    region = es or "two_stream"
-    check(576, qkv, ((16, "fused"), (17, region), (63, region), (64, region), (1024, region), (1025, region)))
-    # Several runs on short K: epilogue-scale to 4096 rows, prenorm's region after them; without the
-    # kernel, two_stream up to prenorm's narrow-run threshold (M × 384 columns >= 1.25·2^20: 3414 rows).
-    below_prenorm = es or "prenorm"
-    check(576, qkv, ((3413, region), (3414, below_prenorm), (4096, below_prenorm), (4097, "prenorm")))
-    check(576, [192, 576, 192], ((4096, region), (4097, "two_stream"), (6826, "two_stream"), (6827, "prenorm")))
-    # One run on short K (SmolLM2-135M's gate|up): from 9 rows its 96 tiles of 64×32 fill one wave.
-    gate_up = [1536, 1536]
-    prenorm_from = 2**20 // 3072 + 1 if epilogue_scale_built else 256
-    check(576, gate_up, ((8, "fused"), (9, es or "fused"), (16, es or "fused"), (17, region), (63, region),
-                         (64, region), (prenorm_from - 1, region), (prenorm_from, "prenorm")))
-    check(576, [960], ((255, region), (256, es or "prenorm"), (1024, es or "prenorm"), (1025, "prenorm")))
-    assert cuda_ops.resolve_strategy(512, 576, 960, torch.float16, qkv) == region
-    assert cuda_ops.resolve_strategy(512, 576, 960, torch.float32, qkv) == "two_stream"
-    assert cuda_ops.resolve_strategy(512, 576, 3072, torch.bfloat16, [1536, 1536]) == "prenorm"
-    assert cuda_ops.resolve_strategy(512, 576, 964, torch.bfloat16, [576, 192, 196]) == "two_stream"
-    # Llama-3.1-8B's q|k|v: one wave of 96 tiles of 64×64 from 9 to 64 rows; 64×128 tiles with the
-    # sums in the main loop over two row blocks from 65 (not taken); one wave of 128 128×96 tiles in
-    # clusters of two from 129 rows, taken from 192 (a last row block of 64 rows); one wave of 96
-    # 128×192 tiles from 257 (73 %: not taken) and of 128 from 385, taken from 480 (a last row block
-    # of 96 rows); past one wave from 513.
-    qkv_8b = [4096, 1024, 1024]
-    check(4096, qkv_8b, ((8, "fused"), (9, es or "fused"), (16, es or "fused"), (17, region), (64, region),
-                         (65, "two_stream"), (128, "two_stream"), (191, "two_stream"), (192, region), (256, region),
-                         (257, "two_stream"), (384, "two_stream"), (479, "two_stream"), (480, region), (512, region),
-                         (513, "two_stream"), (639, "two_stream"), (640, "prenorm")))
-    # Llama-3.2-1B's q|k|v: 48 tiles of 64×64 up to 64 rows (exactly 64 taken), 96 from 65 to 128;
-    # one wave of 96 128×64 tiles from 129 to 256 rows, taken from a last row block of 72 rows; of 96
-    # and 128 128×96 tiles in clusters of two from 257 to 512, taken from a last row block of 64 rows
-    # over three row blocks and from 385 over four;
-    # of 120 128×128 tiles from 513 to 640, taken from 72 rows; and of 96, 112 and 128 128×192 tiles
-    # from 641 to 1024 (the 96, 73 % of the multiprocessors, not taken), from a last row block of 96
-    # rows.
-    qkv_1b = [2048, 512, 512]
-    check(2048, qkv_1b, ((16, "fused"), (17, "two_stream"), (63, "two_stream"), (64, region), (65, region),
-                         (128, region), (129, "two_stream"), (199, "two_stream"), (200, region), (256, region),
-                         (257, "two_stream"), (319, "two_stream"), (320, region), (384, region), (385, region),
-                         (447, region), (512, region), (513, "two_stream"),
-                         (583, "two_stream"), (584, region), (640, region), (641, "two_stream"), (768, "two_stream"),
-                         (863, "two_stream"), (864, region), (896, region), (897, "two_stream"), (991, "two_stream"),
-                         (992, region), (1024, region), (1025, "two_stream"), (1280, "prenorm")))
-    # 38 columns of 128×96 tiles over three row blocks: 114 tiles, but clusters pair the row blocks
-    # and run 152 blocks, more than one wave.
-    check(2048, [2048, 1024, 512], ((320, "two_stream"), (384, "two_stream")))
-    assert cuda_ops.resolve_strategy(64, 2040, 3072, torch.bfloat16, qkv_1b) == "two_stream"
-    assert cuda_ops.resolve_strategy(64, 4096, 6144, torch.float32, qkv_8b) == "two_stream"
-    assert cuda_ops.resolve_strategy(64, 4096, 28672, torch.bfloat16, [14336, 14336]) == "prenorm"
-    # One run on long K, K·N from 2^25 below 2^26 (Llama-3.2-1B's gate|up): one wave of 128 tiles
-    # of 64×128 from 9 to 64 rows, ahead of fused, two_stream and prenorm, which a build without the
-    # kernel keeps from 64 rows there.
-    gate_up_1b = [8192, 8192]
-    check(2048, gate_up_1b, ((8, "fused"), (9, es or "fused"), (17, es or "two_stream"), (63, es or "two_stream"),
-                             (64, es or "prenorm"), (65, "prenorm"), (128, "prenorm")))
-    assert cuda_ops.resolve_strategy(64, 2048, 16384, torch.float32, gate_up_1b) == "two_stream"
-    assert cuda_ops.resolve_strategy(64, 2040, 16384, torch.bfloat16, gate_up_1b) == region
-    # One run below 2^25, K >= 2048: 64 rows, then two_stream up to prenorm's 256 rows (from 224 one
-    # wave of 116 128×192 tiles, 88 %, a last row block of 96 rows); Llama-3.1-8B's q|k|v as one
-    # output also in one wave of 64×64 tiles from 9 rows and of 128×96 clusters from 192.
-    check(2048, [5504, 5504], ((17, "two_stream"), (64, region), (65, "two_stream"), (223, "two_stream"),
-                               (224, region), (255, region), (256, "prenorm")))
-    check(4096, [6144], ((9, es or "fused"), (64, region), (65, "two_stream"), (191, "two_stream"), (192, region),
-                         (255, region), (256, "prenorm")))
-    reserved = [(64, 576, qkv), (1000, 576, qkv), (1024, 576, qkv), (4096, 576, qkv), (64, 576, gate_up), (64, 4096, qkv_8b),
-                (64, 2048, qkv_1b), (prenorm_from - 1, 576, gate_up)]
-    if epilogue_scale_built:  # without the kernel these rows are fused's or prenorm's
-        reserved += [(64, 2048, gate_up_1b), (1024, 576, [960]), (9, 576, gate_up), (16, 4096, qkv_8b),
-                     (200, 2048, qkv_1b), (640, 2048, qkv_1b), (1024, 2048, qkv_1b), (512, 4096, qkv_8b)]
-    for m, k, splits in reserved:
-        two_stream = cuda_ops.workspace_size(m, k, splits, torch.bfloat16, "two_stream")
-        assert cuda_ops.workspace_size(m, k, splits, torch.bfloat16) >= two_stream, (m, k)
-
-
-def test_auto_workspace_covers_every_smaller_m(built_library, monkeypatch):
-    """The TensorRT plugin sizes one workspace for the profile's largest M: under AUTO that size
-    must also hold the strategy picked for any smaller M (two-stream's [M, N] product below the
-    prenorm threshold can exceed prenorm's [M, K] at the threshold)."""
-    import torch
-
-    from flashnorm import cuda_ops
-
-    monkeypatch.setenv("FLASHNORM_LIBRARY", str(built_library))
-    monkeypatch.setattr(cuda_ops.abi, "_library", None)
-    sites = [(576, [1536, 1536]), (576, [576, 192, 192]), (2048, [8192, 8192]), (4096, [4096, 1024, 1024]),
-             (130, [24, 72]), (130, [5000])]
-    for k, splits in sites:
-        for dtype in (torch.float32, torch.float16, torch.bfloat16):
-            for top in (64, 256, 1024, 4096, 60000):
-                largest = cuda_ops.workspace_size(top, k, splits, dtype)
-                for m in (m for m in (1, 16, 17, 63, 64, 255, 256, 1000, 1023, 1024, 4096, 54614, 60000) if m <= top):
-                    picked = cuda_ops.resolve_strategy(m, k, sum(splits), dtype, splits)
-                    needed = cuda_ops.workspace_size(m, k, splits, dtype, picked)
-                    assert needed <= largest, (k, splits, dtype, top, m, picked)
-                    assert cuda_ops.workspace_size(m, k, splits, dtype) <= largest, (k, splits, dtype, top, m)
 
 
 def test_prenorm_side_workspace_only_for_several_runs(built_library, monkeypatch):
@@ -346,7 +218,8 @@ def test_each_library_source_is_compiled_once(tmp_path):
         missing_build_tool("cuBLASLt not found (pip install nvidia-cublas): CMake skips the kernel library")
     targets = ["flashnorm", "flashnorm_plugin"] if include else ["flashnorm"]
     commands = _run(["ninja", "-C", str(tmp_path), "-t", "commands", *targets], REPO).splitlines()
-    sources = ["capi.cpp", "runtime/context.cpp", "kernels/deferred_norm.cu", "kernels/normalize.cu", "kernels/fused.cu"]
+    sources = ["capi.cpp", "dispatch/dispatch.cpp", "runtime/context.cpp", "kernels/deferred_norm.cu",
+               "kernels/normalize.cu", "kernels/fused.cu"]
     for source in sources:
         compiles = [c for c in commands if f"plugins/flashnorm/{source}" in c and " -c " in c]
         assert len(compiles) == 1, f"{source}: {len(compiles)} compile commands for targets {targets}"

@@ -2,8 +2,8 @@
 // that scales each accumulator row by inv_rms[row] and stores every column straight into its
 // split's output. Where the row sums come from depends on the tile:
 //
-// - 64-row tiles on short K (to 1024) to 1024 rows, and on longer K to 256 rows where 64×64 tiles
-//   would exceed one wave and 64×128 ones do not: the main loop itself sums the squares of
+// - the RowSums tiles (64 rows; where they run: dispatch::epilogue_scale_tiles, dispatch.cpp's
+//   kTiles): the main loop itself sums the squares of
 //   each tile's rows of x from the A tiles the TMA brings into shared memory, and scales the
 //   accumulators before the epilogue stores them (RowSumMainloop). One kernel, launched with
 //   programmatic stream serialization; its joins: the producer's griddepcontrol.wait before its
@@ -27,188 +27,18 @@
 // split built on the host with the kernel's parameters: no device arrays of problem shapes and
 // pointers (which a grouped GEMM reads, so a capture-safe call would need an extra kernel to write
 // them) and no descriptor rewrites on the device. Splits must therefore start at multiples of 32
-// columns (epilogue_scale_shape_fits). On the H200 this made the kernel 0.68-0.95x as long as
+// columns (dispatch::epilogue_scale_shape_fits). On the H200 this made the kernel 0.68-0.95x as long as
 // storing from registers (2026-12-03: SmolLM2-135M q|k|v at 1024 rows 9.0 -> 6.1 µs; kernels/NOTES.md).
 #include "kernels/kernels.h"
 
-namespace flashnorm
-{
-namespace
-{
-
-// Short K (to kRowSumsMaxK) to kRowSumsMaxRows rows: 64-row tiles whose main loop sums the rows.
-constexpr int64_t kRowSumsMaxK = 1024;
-constexpr int64_t kRowSumsMaxRows = 1024;
-// 64-row tiles with the reduction kernel in front up to these rows; 128-deep K steps from this K.
-constexpr int64_t kSmallTileMaxRows = 256;
-constexpr int64_t kLongKOneWaveMinK = 4096;
-// 128×256 tiles from this K in waves at least 80 % full (on shorter K in one wave only).
-constexpr int64_t kWideTileMinK = 2048;
-// On long K, one wave of 128-row tiles that fills at least this share of the multiprocessors.
-constexpr int64_t kLongKOneWaveFillPercent = 70;
-
-// Whether `tiles` run in one wave that keeps at least kLongKOneWaveFillPercent % of the
-// multiprocessors busy.
-bool fills_one_wave(int64_t tiles, int sm_count)
-{
-    return tiles <= sm_count && 100 * tiles >= kLongKOneWaveFillPercent * sm_count;
-}
-
-// Whether `tiles` leave the multiprocessors of their waves at least as busy as `other_tiles` do
-// theirs (tiles / (waves · sm_count), compared without division).
-bool fills_waves_as_well(int64_t tiles, int64_t other_tiles, int sm_count)
-{
-    int64_t const waves = (tiles + sm_count - 1) / sm_count;
-    int64_t const other_waves = (other_tiles + sm_count - 1) / sm_count;
-    return tiles * other_waves >= other_tiles * waves;
-}
-
-// 128×256 tiles pay off where each tile's main loop is long and the last wave is not mostly idle:
-// on the H200 (2026-12-01 23:55 UTC, Nsight Compute) Llama-3.1-8B gate/up at M = 256, 1024, 4096
-// took 108.5 / 334.7 / 1312.9 µs against 115.5 / 413.1 / 1583.6 with 128×128 tiles, while
-// Llama-3.1-8B qkv at M = 1024 (192 wide tiles: the second wave 45 % full) took 105.2 against 91.8
-// and SmolLM2 gate/up at M = 4096 (K = 576, three waves) 46.2 against 44.4. On short K in one wave
-// they do pay off (2026-12-03 12:56 UTC): SmolLM2 q|k|v at M = 4096, 128 tiles, 15.0 µs against 16.6
-// on 128×128 tiles.
-bool wide_tiles_fit(int64_t m, int64_t k, int64_t n, int sm_count)
-{
-    int64_t const tiles = tile_count(m, n, 128, 256);
-    int64_t const waves = (tiles + sm_count - 1) / sm_count;
-    if (m <= 128 || 5 * tiles < 4 * waves * sm_count)
-    {
-        return false;
-    }
-    return k >= kWideTileMinK ? tiles >= sm_count : waves == 1;
-}
-
-} // namespace
-
-// Measured on the H200 (kernels/NOTES.md):
-// - Short K, to 1024 rows: one wave of the narrowest of 64×32, 64×64 and 64×128 tiles that number
-//   at most the multiprocessors (the non-persistent kernel, one tile per block, no tile
-//   scheduler), else ping-pong 64×128 tiles. 2026-12-03 ("Short K beyond 256 rows, long K back to
-//   the reduction kernel"): SmolLM2-135M q|k|v at M = 256 5.55 µs on 120 tiles of 64×32 against
-//   5.88 on 60 of 64×64, at 512 6.1 against 7.9 on 128-row tiles; gate|up at 256 7.4 on 64×128
-//   tiles against 8.8 on ping-pong 64×64 ones, at 1024 14.1 against 17.7 on 128×128.
-// - Longer K to 256 rows: 64-row tiles with the reduction kernel, where the sums' loads and
-//   squares in each K step cost more than they save (Llama-3.1-8B q|k|v at M = 128 26.5 µs against
-//   32.2, gate|up at 64 65.2 against 70.3): one wave of 64×64 tiles (128-deep K steps on K ≥ 4096),
-//   else one wave of 64×128 tiles with the sums in the main loop (twice the wgmma work per K step
-//   hides them: 2026-12-03, Llama-3.2-1B gate|up at M = 64 22.0 µs against 23.3 on ping-pong 64×64
-//   tiles, q|k|v at 256 13.3 against 16.1, Llama-3.1-8B q|k|v at 128 23.0 against 26.2), else
-//   ping-pong 64×64 tiles.
-// - Otherwise 128-row cooperative tiles: 128×128, or 128×64 where 128×128 ones would leave
-//   multiprocessors idle; 128×256 clusters where wide_tiles_fit. Ping-pong 64×128 / 64×256 tiles
-//   measured slower there, on long K or at 4096 rows.
-// - On long K, one wave of 128×96 tiles in clusters of two along M (each pair shares its W* tile
-//   through TMA multicast) at least 70 % full, counting a pair's blocks for an odd last row block:
-//   2026-12-04 (benchmarks/epilogue_scale_tiles.py; the tile and cluster shape cuBLAS runs there),
-//   Llama-3.2-1B q|k|v at 384 rows 14.1 µs on 96 tiles against 15.6 on 72 of 128×128, at 448 and
-//   512 rows 14.2 and 14.6 on 128 tiles against 16.2 and 16.5 on 96 of 128×128 (16.1 and 16.7 on
-//   128×96 tiles without clusters); Llama-3.1-8B q|k|v at 192 and 256 rows 23.6 and 25.4 against
-//   26.2 and 26.1 on 96 of 128×128 (28.3 and 29.4 without clusters).
-// - Else on long K, one wave of 128×128 tiles at least 70 % full ahead of the 64-row tiles, and then
-//   one of 128×64 tiles: 2026-12-03, Llama-3.1-8B q|k|v at 256 rows 25.9 µs on 96 tiles against 45 on
-//   ping-pong 64×64 ones, at 160 rows 25.8 (a partial last row block: PartialRowBlockMainloop)
-//   against 46.7; Llama-3.2-1B q|k|v at 512 rows 17.0 against 20.0 on 128×64 tiles, at 256 rows
-//   11.5 on 96 tiles of 128×64 against 12.1 on 64×128 tiles with the sums in the main loop.
-// - On long K where 128×128 tiles do not fill one wave that way, 128×192 tiles wherever their waves
-//   are at least as full: 2026-12-04 (benchmarks/epilogue_scale_tiles.py), Llama-3.2-1B q|k|v at
-//   1024 rows 22.9 µs on 128 tiles against 29.0 on two waves of 128×128 ones (the second 45 % full),
-//   at 768 21.8 against 28.6, at 2048 41.0 against 45.1; Llama-3.1-8B q|k|v at 1024 74.2 against
-//   93.2. Not on short K: SmolLM2-135M gate|up at 1024 rows 12.6 against 12.3 on ping-pong 64×128
-//   tiles that sum the rows in the main loop.
-EpilogueScaleTiles epilogue_scale_tiles(int64_t m, int64_t k, int64_t n, int sm_count)
-{
-    if (k <= kRowSumsMaxK && m <= kRowSumsMaxRows)
-    {
-        if (tile_count(m, n, 64, 32) <= sm_count)
-        {
-            return EpilogueScaleTiles::kRowSums64x32;
-        }
-        if (tile_count(m, n, 64, 64) <= sm_count)
-        {
-            return EpilogueScaleTiles::kRowSums64x64;
-        }
-        if (tile_count(m, n, 64, 128) <= sm_count)
-        {
-            return EpilogueScaleTiles::kRowSums64x128;
-        }
-        return EpilogueScaleTiles::kRowSumsPingPong64x128;
-    }
-    if (wide_tiles_fit(m, k, n, sm_count))
-    {
-        return EpilogueScaleTiles::kClusters128x256;
-    }
-    if (m > 128)
-    {
-        bool const long_k = k > kRowSumsMaxK;
-        // Blocks run in pairs of row blocks, so an odd last row block still takes a pair's blocks.
-        int64_t const paired_blocks = 2 * tile_count(m, n, 256, 96);
-        if (long_k && paired_blocks <= sm_count && fills_one_wave(tile_count(m, n, 128, 96), sm_count))
-        {
-            return EpilogueScaleTiles::kOneWaveClusters128x96;
-        }
-        int64_t const large_tiles = tile_count(m, n, 128, 128);
-        if (long_k && fills_one_wave(large_tiles, sm_count))
-        {
-            return EpilogueScaleTiles::kOneWave128x128;
-        }
-        int64_t const tall_wide_tiles = tile_count(m, n, 128, 192);
-        if (long_k && fills_waves_as_well(tall_wide_tiles, large_tiles, sm_count))
-        {
-            return tall_wide_tiles <= sm_count ? EpilogueScaleTiles::kOneWave128x192 : EpilogueScaleTiles::k128x192;
-        }
-        if (large_tiles >= sm_count)
-        {
-            return EpilogueScaleTiles::k128x128;
-        }
-        if (long_k && fills_one_wave(tile_count(m, n, 128, 64), sm_count))
-        {
-            return EpilogueScaleTiles::kOneWave128x64;
-        }
-    }
-    if (m <= kSmallTileMaxRows)
-    {
-        if (tile_count(m, n, 64, 64) <= sm_count)
-        {
-            return k >= kLongKOneWaveMinK ? EpilogueScaleTiles::kOneWave64x64DeepK : EpilogueScaleTiles::kOneWave64x64;
-        }
-        return tile_count(m, n, 64, 128) <= sm_count ? EpilogueScaleTiles::kRowSums64x128
-                                                     : EpilogueScaleTiles::kPingPong64x64;
-    }
-    return EpilogueScaleTiles::k128x64;
-}
-
-char const* epilogue_scale_tiles_name(EpilogueScaleTiles tiles)
-{
-    switch (tiles)
-    {
-    case EpilogueScaleTiles::kRowSums64x32: return "row_sums_64x32";
-    case EpilogueScaleTiles::kRowSums64x64: return "row_sums_64x64";
-    case EpilogueScaleTiles::kRowSums64x128: return "row_sums_64x128";
-    case EpilogueScaleTiles::kRowSumsPingPong64x128: return "row_sums_ping_pong_64x128";
-    case EpilogueScaleTiles::kOneWave64x64: return "one_wave_64x64";
-    case EpilogueScaleTiles::kOneWave64x64DeepK: return "one_wave_64x64_deep_k";
-    case EpilogueScaleTiles::kPingPong64x64: return "ping_pong_64x64";
-    case EpilogueScaleTiles::kOneWave128x64: return "one_wave_128x64";
-    case EpilogueScaleTiles::k128x64: return "128x64";
-    case EpilogueScaleTiles::kOneWave128x128: return "one_wave_128x128";
-    case EpilogueScaleTiles::k128x128: return "128x128";
-    case EpilogueScaleTiles::kOneWave128x192: return "one_wave_128x192";
-    case EpilogueScaleTiles::k128x192: return "128x192";
-    case EpilogueScaleTiles::kClusters128x256: return "clusters_128x256";
-    case EpilogueScaleTiles::kOneWaveClusters128x96: return "one_wave_clusters_128x96";
-    }
-    return "";
-}
-
-} // namespace flashnorm
+// Which tiles run a shape (epilogue_scale_tiles), and why, is the dispatch unit's:
+// dispatch/dispatch.cpp (kTiles and the measurements behind them).
 
 #ifdef FLASHNORM_HAVE_CUTLASS
 
 #include "device.cuh"
 
+#include <type_traits>
 #include <utility>
 
 #include <cute/tensor.hpp>
@@ -873,6 +703,8 @@ struct ScaledGemm
 {
     static constexpr int kClusterM = ClusterM;
     static constexpr bool kSumsInMainLoop = SumsInMainLoop;
+    static constexpr int64_t kTileRows = decltype(size<0>(TileShape{}))::value;
+    static constexpr int64_t kTileColumns = decltype(size<1>(TileShape{}))::value;
     // The builder's own choice for these schedules (EpilogueTileAuto: 64 or 128 rows, 32 columns),
     // spelled out because the visitor's tensor maps take it as their box and the split edges
     // (epilogue_scale_shape_fits) must fall on its columns.
@@ -1037,6 +869,10 @@ cudaError_t launch_gemm(T const* x, Element const* w, int64_t m, int64_t k, int6
     return cudaLaunchKernelEx(&config, cutlass::device_kernel<Kernel>, params);
 }
 
+// A tile configuration as a type (the launch below checks its GEMM's tile at compile time).
+template <EpilogueScaleTiles Tiles>
+using Configuration = std::integral_constant<EpilogueScaleTiles, Tiles>;
+
 template <typename T, class Element>
 cudaError_t launch_typed(void const* input, void const* weight, int64_t m, int64_t k, int64_t n, float eps,
     OutputSplits const& splits, float* inv_rms, int sm_count, int64_t delay_cycles, EpilogueScaleTiles tiles,
@@ -1044,26 +880,41 @@ cudaError_t launch_typed(void const* input, void const* weight, int64_t m, int64
 {
     auto const* x = static_cast<T const*>(input);
     auto const* w = static_cast<Element const*>(weight);
-    auto const launch = [&](auto gemm) {
-        return launch_gemm<decltype(gemm)>(x, w, m, k, n, eps, inv_rms, splits, sm_count, delay_cycles, stream);
+    // Each configuration's GEMM has the tile the dispatch unit's table gives it (dispatch.h,
+    // epilogue_scale_tile_shape), the tile the dispatch's choice and AUTO's one-wave rule count.
+    auto const launch = [&](auto configuration, auto gemm) {
+        using Gemm = decltype(gemm);
+        constexpr EpilogueScaleTileShape tile = epilogue_scale_tile_shape(decltype(configuration)::value);
+        static_assert(Gemm::kTileRows == tile.rows && Gemm::kTileColumns == tile.columns
+                && Gemm::kSumsInMainLoop == tile.row_sums,
+            "the GEMM's tile is not the one dispatch/dispatch.h gives its configuration");
+        return launch_gemm<Gemm>(x, w, m, k, n, eps, inv_rms, splits, sm_count, delay_cycles, stream);
     };
+    using Tiles = EpilogueScaleTiles;
     switch (tiles)
     {
-    case EpilogueScaleTiles::kRowSums64x32: return launch(RowSumOneWaveGemm<Element, Shape<_64, _32, _64>>{});
-    case EpilogueScaleTiles::kRowSums64x64: return launch(RowSumOneWaveGemm<Element, Shape<_64, _64, _64>>{});
-    case EpilogueScaleTiles::kRowSums64x128: return launch(RowSumOneWaveGemm<Element, Shape<_64, _128, _64>>{});
-    case EpilogueScaleTiles::kRowSumsPingPong64x128: return launch(RowSumPingPongGemm<Element>{});
-    case EpilogueScaleTiles::kOneWave64x64: return launch(OneWaveGemm<Element, Shape<_64, _64, _64>>{});
-    case EpilogueScaleTiles::kOneWave64x64DeepK: return launch(OneWaveGemm<Element, Shape<_64, _64, _128>>{});
-    case EpilogueScaleTiles::kPingPong64x64: return launch(SmallTileGemm<Element>{});
-    case EpilogueScaleTiles::kOneWave128x64:
-    case EpilogueScaleTiles::k128x64: return launch(NarrowTileGemm<Element>{});
-    case EpilogueScaleTiles::kOneWave128x128:
-    case EpilogueScaleTiles::k128x128: return launch(LargeTileGemm<Element>{});
-    case EpilogueScaleTiles::kOneWave128x192:
-    case EpilogueScaleTiles::k128x192: return launch(TallWideTileGemm<Element>{});
-    case EpilogueScaleTiles::kClusters128x256: return launch(WideTileGemm<Element>{});
-    case EpilogueScaleTiles::kOneWaveClusters128x96: return launch(PairedTileGemm<Element>{});
+    case Tiles::kRowSums64x32:
+        return launch(Configuration<Tiles::kRowSums64x32>{}, RowSumOneWaveGemm<Element, Shape<_64, _32, _64>>{});
+    case Tiles::kRowSums64x64:
+        return launch(Configuration<Tiles::kRowSums64x64>{}, RowSumOneWaveGemm<Element, Shape<_64, _64, _64>>{});
+    case Tiles::kRowSums64x128:
+        return launch(Configuration<Tiles::kRowSums64x128>{}, RowSumOneWaveGemm<Element, Shape<_64, _128, _64>>{});
+    case Tiles::kRowSumsPingPong64x128:
+        return launch(Configuration<Tiles::kRowSumsPingPong64x128>{}, RowSumPingPongGemm<Element>{});
+    case Tiles::kOneWave64x64:
+        return launch(Configuration<Tiles::kOneWave64x64>{}, OneWaveGemm<Element, Shape<_64, _64, _64>>{});
+    case Tiles::kOneWave64x64DeepK:
+        return launch(Configuration<Tiles::kOneWave64x64DeepK>{}, OneWaveGemm<Element, Shape<_64, _64, _128>>{});
+    case Tiles::kPingPong64x64: return launch(Configuration<Tiles::kPingPong64x64>{}, SmallTileGemm<Element>{});
+    case Tiles::kOneWave128x64: return launch(Configuration<Tiles::kOneWave128x64>{}, NarrowTileGemm<Element>{});
+    case Tiles::k128x64: return launch(Configuration<Tiles::k128x64>{}, NarrowTileGemm<Element>{});
+    case Tiles::kOneWave128x128: return launch(Configuration<Tiles::kOneWave128x128>{}, LargeTileGemm<Element>{});
+    case Tiles::k128x128: return launch(Configuration<Tiles::k128x128>{}, LargeTileGemm<Element>{});
+    case Tiles::kOneWave128x192: return launch(Configuration<Tiles::kOneWave128x192>{}, TallWideTileGemm<Element>{});
+    case Tiles::k128x192: return launch(Configuration<Tiles::k128x192>{}, TallWideTileGemm<Element>{});
+    case Tiles::kClusters128x256: return launch(Configuration<Tiles::kClusters128x256>{}, WideTileGemm<Element>{});
+    case Tiles::kOneWaveClusters128x96:
+        return launch(Configuration<Tiles::kOneWaveClusters128x96>{}, PairedTileGemm<Element>{});
     }
     return cudaErrorInvalidValue;
 }

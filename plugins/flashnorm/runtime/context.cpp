@@ -10,13 +10,6 @@ namespace flashnorm
 namespace
 {
 
-constexpr size_t kRegionAlignment = 256;
-
-size_t round_up(size_t bytes)
-{
-    return (bytes + kRegionAlignment - 1) / kRegionAlignment * kRegionAlignment;
-}
-
 size_t element_bytes(flashnorm_dtype dtype)
 {
     return dtype == FLASHNORM_DTYPE_F32 ? 4 : 2;
@@ -195,26 +188,6 @@ size_t GemmKeyHash::operator()(GemmKey const& key) const
     return hash;
 }
 
-TwoStreamLayout two_stream_layout(int64_t m, int64_t n, flashnorm_dtype dtype)
-{
-    TwoStreamLayout layout{};
-    layout.product_offset = round_up(sizeof(float) * static_cast<size_t>(m));
-    layout.gemm_workspace_offset
-        = layout.product_offset + round_up(element_bytes(product_dtype(dtype)) * static_cast<size_t>(m * n));
-    layout.total = layout.gemm_workspace_offset + kGemmWorkspaceBytes;
-    return layout;
-}
-
-PrenormLayout prenorm_layout(int64_t m, int64_t k, flashnorm_dtype dtype, int runs)
-{
-    PrenormLayout layout{};
-    layout.pointer_table_offset = round_up(element_bytes(dtype) * static_cast<size_t>(m * k));
-    layout.gemm_workspace_offset = layout.pointer_table_offset + round_up(sizeof(PointerTable::values));
-    layout.side_gemm_workspace_offset = layout.gemm_workspace_offset + kGemmWorkspaceBytes;
-    layout.total = layout.side_gemm_workspace_offset + (runs > 1 ? kGemmWorkspaceBytes : 0);
-    return layout;
-}
-
 flashnorm_status create_context(flashnorm_context* context)
 {
     FLASHNORM_CHECK(context, cudaGetDevice(&context->device));
@@ -294,20 +267,6 @@ flashnorm_status run_two_stream(flashnorm_context* context, flashnorm_problem co
     FLASHNORM_CHECK(context,
         launch_post_scale(problem.dtype, product_type, product, inv_rms, problem.m, problem.n, splits, stream));
     return FLASHNORM_STATUS_OK;
-}
-
-int split_runs(flashnorm_problem const& problem, SplitRun (&runs)[FLASHNORM_MAX_OUTPUTS])
-{
-    int count = 0;
-    for (int i = 0; i < problem.num_outputs;)
-    {
-        int j = i + 1;
-        while (j < problem.num_outputs && problem.split_sizes[j] == problem.split_sizes[i])
-            ++j;
-        runs[count++] = SplitRun{i, j - i, problem.split_sizes[i]};
-        i = j;
-    }
-    return count;
 }
 
 flashnorm_status run_prenorm(flashnorm_context* context, flashnorm_problem const& problem, void const* x,

@@ -19,43 +19,30 @@
 namespace flashnorm
 {
 
-// Bytes of cuBLASLt workspace offered to the GEMM (32 MiB: what Hopper's larger kernels ask for).
-constexpr size_t kGemmWorkspaceBytes = size_t(32) << 20;
+// The workspace layouts and the split runs are the dispatch unit's (dispatch/dispatch.h: AUTO sizes
+// the workspace from them); the strategies below carve their workspace by them.
+using dispatch::kGemmWorkspaceBytes;
+using dispatch::PrenormLayout;
+using dispatch::SplitRun;
+using dispatch::TwoStreamLayout;
 
-// The two-stream workspace: [inv_rms: m floats][GEMM product: m×n][cuBLASLt workspace], each
-// region starting on a 256-byte boundary.
-struct TwoStreamLayout
+inline TwoStreamLayout two_stream_layout(int64_t m, int64_t n, flashnorm_dtype dtype)
 {
-    size_t product_offset;
-    size_t gemm_workspace_offset;
-    size_t total;
-};
-TwoStreamLayout two_stream_layout(int64_t m, int64_t n, flashnorm_dtype dtype);
+    return dispatch::two_stream_layout(m, n, dispatch_dtype(dtype));
+}
 
-// The prenorm workspace: [x̂: m×k in the I/O dtype][pointer arrays of the batched GEMMs][cuBLASLt
-// workspace][the side stream's cuBLASLt workspace, with more than one run of splits], each region
-// starting on a 256-byte boundary.
-struct PrenormLayout
+inline PrenormLayout prenorm_layout(int64_t m, int64_t k, flashnorm_dtype dtype, int runs)
 {
-    size_t pointer_table_offset;
-    size_t gemm_workspace_offset;
-    size_t side_gemm_workspace_offset;
-    size_t total;
-};
-PrenormLayout prenorm_layout(int64_t m, int64_t k, flashnorm_dtype dtype, int runs);
+    return dispatch::prenorm_layout(m, k, dispatch_dtype(dtype), runs);
+}
 
-// Consecutive splits of one width (q|k|v's k and v, gate|up): prenorm runs each run as one GEMM,
-// a pointer-array batched one for several splits, tiled like a GEMM over their whole width where a
-// GEMM per split was up to 1.2× slower (kernels/NOTES.md); AUTO's prenorm threshold (capi.cpp)
-// looks at the narrowest run.
-struct SplitRun
+// Consecutive splits of one width: prenorm runs each run as one GEMM, a pointer-array batched one
+// for several splits, tiled like a GEMM over their whole width where a GEMM per split was up to
+// 1.2× slower (kernels/NOTES.md).
+inline int split_runs(flashnorm_problem const& problem, SplitRun (&runs)[FLASHNORM_MAX_OUTPUTS])
 {
-    int first;
-    int count;
-    int64_t width;
-    int64_t columns() const { return width * count; }
-};
-int split_runs(flashnorm_problem const& problem, SplitRun (&runs)[FLASHNORM_MAX_OUTPUTS]);
+    return dispatch::split_runs(problem.num_outputs, problem.split_sizes, runs);
+}
 
 // A GEMM shape as cuBLASLt sees it: [m,k]·W[:, n columns] with W's rows w_ld elements apart (the
 // full N when prenorm reads one split's column slice), written in out_dtype. Pointer alignment is

@@ -1,0 +1,74 @@
+"""AUTO's policy (plugins/flashnorm/dispatch/) against its golden table, with the host C++ compiler
+alone (no nvcc, no GPU, as in CI): the table the sources produce now equals the committed one,
+tests/plugins/golden/auto_dispatch.csv. An intended change to a boundary rewrites the table
+(plugins/flashnorm/dispatch/write_golden.py) and shows its effect in the diff.
+
+The program that prints the table also checks, on every row, that AUTO's workspace covers the
+strategy it picks there and at every smaller row (the TensorRT plugin sizes one workspace for its
+largest M); it fails otherwise."""
+
+from __future__ import annotations
+
+import csv
+import difflib
+import importlib.util
+import os
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+WRITER = REPO / "plugins" / "flashnorm" / "dispatch" / "write_golden.py"
+GOLDEN = Path(__file__).resolve().parent / "golden" / "auto_dispatch.csv"
+
+
+def _writer():
+    spec = importlib.util.spec_from_file_location("flashnorm_write_golden", WRITER)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def generated() -> str:
+    writer = _writer()
+    compiler = writer.find_compiler()
+    if compiler is None:
+        reason = "no host C++ compiler (c++, g++, clang++ or $CXX): the dispatch unit cannot be compiled"
+        if os.environ.get("CI") == "true":
+            pytest.fail(f"{reason} (CI must check AUTO's golden table)")
+        pytest.skip(reason)
+    return writer.generate(compiler)
+
+
+def test_golden_table_matches_the_dispatch_unit(generated):
+    committed = GOLDEN.read_text()
+    if generated == committed:
+        return
+    diff = list(difflib.unified_diff(committed.splitlines(), generated.splitlines(), "committed", "dispatch.cpp now",
+                                     lineterm="", n=0))
+    shown = "\n".join(diff[:120]) + (f"\n... {len(diff) - 120} more diff lines" if len(diff) > 120 else "")
+    pytest.fail("AUTO's picks differ from tests/plugins/golden/auto_dispatch.csv; if intended, run "
+                f"`python plugins/flashnorm/dispatch/write_golden.py` and commit the table:\n{shown}")
+
+
+def test_golden_table_covers_every_site_and_row():
+    """Each (site, dtype, multiprocessors, build) block starts at row 1 and ends at the last row, its
+    runs in order, each a different pick from the one before: the table leaves no row of the grid out."""
+    with GOLDEN.open(newline="") as file:
+        rows = list(csv.DictReader(file))
+    blocks: dict[tuple, list[dict]] = {}
+    for row in rows:
+        key = (row["site"], row["dtype"], row["multiprocessors"], row["epilogue_scale_built"])
+        blocks.setdefault(key, []).append(row)
+    assert len({key[0] for key in blocks}) >= 17
+    assert {key[1] for key in blocks} == {"f32", "f16", "bf16"}
+    assert "132" in {key[2] for key in blocks}
+    last = max(int(row["m_to"]) for row in rows)
+    for key, runs in blocks.items():
+        assert int(runs[0]["m_from"]) == 1, key
+        assert int(runs[-1]["m_to"]) == last, key
+        for before, after in zip(runs, runs[1:]):
+            assert int(before["m_to"]) < int(after["m_from"]), key
+            pick = ("strategy", "tiles", "workspace")
+            assert [before[c] for c in pick] != [after[c] for c in pick], key
