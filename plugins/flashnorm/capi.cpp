@@ -1,6 +1,5 @@
 // The C ABI (include/flashnorm/flashnorm.h): argument checks, then the strategy the dispatch unit
 // (dispatch/dispatch.h) picks, launched.
-#include <atomic>
 #include <new>
 
 #include "dispatch/dispatch.h"
@@ -90,46 +89,19 @@ flashnorm::dispatch::Problem dispatch_problem(flashnorm_problem const& problem)
     return converted;
 }
 
-// The current device's multiprocessors, for the calls that take no context (flashnorm_workspace_size,
-// flashnorm_resolve_strategy), asked once per device; where no device answers (no GPU or no driver:
-// CI, a build machine), the count AUTO's boundaries were measured on.
-int current_multiprocessors()
-{
-    constexpr int kCachedDevices = 64;
-    static std::atomic<int> known[kCachedDevices]; // zero: not asked yet
-    int device = 0;
-    if (cudaGetDevice(&device) != cudaSuccess)
-    {
-        cudaGetLastError(); // leave the caller no error of ours
-        return flashnorm::dispatch::measured_multiprocessors();
-    }
-    bool const cached = device >= 0 && device < kCachedDevices;
-    if (cached && known[device].load(std::memory_order_relaxed) > 0)
-        return known[device].load(std::memory_order_relaxed);
-    int count = 0;
-    if (cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, device) != cudaSuccess || count < 1)
-    {
-        cudaGetLastError();
-        return flashnorm::dispatch::measured_multiprocessors();
-    }
-    if (cached)
-        known[device].store(count, std::memory_order_relaxed);
-    return count;
-}
-
 // AUTO's pick and workspace: the dispatch unit's (dispatch/dispatch.cpp, where every crossover is),
-// on a device of `multiprocessors` multiprocessors (a call's: its context's device; a size or a
-// resolution asked without one: the current device, current_multiprocessors).
-flashnorm::dispatch::Choice auto_choice(flashnorm_problem const& problem, int multiprocessors)
+// for the multiprocessors AUTO's boundaries were measured on.
+flashnorm::dispatch::Choice auto_choice(flashnorm_problem const& problem)
 {
-    return flashnorm::dispatch::choose(dispatch_problem(problem), multiprocessors, flashnorm::epilogue_scale_built());
+    return flashnorm::dispatch::choose(dispatch_problem(problem), flashnorm::dispatch::measured_multiprocessors(),
+        flashnorm::epilogue_scale_built());
 }
 
-flashnorm_strategy resolve(flashnorm_problem const& problem, int multiprocessors)
+flashnorm_strategy resolve(flashnorm_problem const& problem)
 {
     if (problem.strategy != FLASHNORM_STRATEGY_AUTO)
         return problem.strategy;
-    return static_cast<flashnorm_strategy>(auto_choice(problem, multiprocessors).strategy);
+    return static_cast<flashnorm_strategy>(auto_choice(problem).strategy);
 }
 
 // Bytes `strategy` (resolved, never AUTO) needs for exactly this problem (under AUTO, epilogue-scale
@@ -186,7 +158,7 @@ flashnorm_status enqueue(flashnorm_context* context, flashnorm_problem const* pr
         splits.offsets[i + 1] = splits.offsets[i] + problem->split_sizes[i];
     }
 
-    flashnorm_strategy strategy = resolve(*problem, context->sm_count);
+    flashnorm_strategy strategy = resolve(*problem);
     bool const adds = add.residual != nullptr;
     if (strategy == FLASHNORM_STRATEGY_FUSED)
     {
@@ -266,7 +238,7 @@ size_t flashnorm_workspace_size(flashnorm_problem const* problem)
         return 0;
     // Under AUTO the size also covers every smaller M (dispatch::choose).
     if (problem->strategy == FLASHNORM_STRATEGY_AUTO)
-        return auto_choice(*problem, current_multiprocessors()).workspace_bytes;
+        return auto_choice(*problem).workspace_bytes;
     return workspace_bytes_for(*problem, problem->strategy);
 }
 
@@ -274,7 +246,7 @@ flashnorm_strategy flashnorm_resolve_strategy(flashnorm_problem const* problem)
 {
     if (*problem_error(problem) != '\0')
         return FLASHNORM_STRATEGY_TWO_STREAM;
-    return resolve(*problem, current_multiprocessors());
+    return resolve(*problem);
 }
 
 flashnorm_status flashnorm_matmul(flashnorm_context* context, flashnorm_problem const* problem, void const* x,

@@ -37,10 +37,8 @@ typedef enum flashnorm_dtype
 
 typedef enum flashnorm_strategy
 {
-    FLASHNORM_STRATEGY_AUTO = 0,       /* picks by M, K·N, the splits, the dtype and the device's
-                                          multiprocessors; every threshold (measured on H200) is in
-                                          dispatch/dispatch.cpp, its picks over a grid of shapes in
-                                          tests/plugins/golden/auto_dispatch.csv */
+    FLASHNORM_STRATEGY_AUTO = 0,       /* picks by M, K·N, the splits and the dtype; thresholds
+                                          measured on H200, see capi.cpp */
     FLASHNORM_STRATEGY_TWO_STREAM = 1, /* cuBLASLt GEMM on the caller's stream ‖ RMS on a side stream */
     FLASHNORM_STRATEGY_FUSED = 2,      /* one kernel: GEMV + sum(x²) + scale in its epilogue */
     FLASHNORM_STRATEGY_PRENORM = 3,    /* x̂ = x ⊙ rsqrt(mean(x²)+eps) into the workspace (one rounding to
@@ -50,21 +48,27 @@ typedef enum flashnorm_strategy
                                           before the call returns); for large M, where a pass over the
                                           N-wide output costs more than one over the K-wide input */
     FLASHNORM_STRATEGY_EPILOGUE_SCALE = 4, /* one CUTLASS sm90 GEMM scaling each row by rsqrt(mean(x²)+eps)
-                                          and storing each split straight into its output. On some
-                                          tiles (dispatch/dispatch.cpp says which) its main loop sums
-                                          the rows' squares from the x tiles it loads; on the others a
-                                          reduction kernel runs first and the GEMM, launched after it
-                                          with programmatic dependent launch, overlaps it and waits for
-                                          it before its epilogue.
+                                          and storing each split straight into its output. Where K <=
+                                          1024, to 1024 rows, and on longer K to 256 rows where its
+                                          64×64 tiles would exceed one wave and 64×128 ones do not, its
+                                          main loop sums the rows' squares from the x tiles it loads;
+                                          elsewhere a reduction kernel runs first
+                                          and the GEMM, launched after it with programmatic dependent
+                                          launch, overlaps it and waits for it before its epilogue.
                                           Its epilogue TMA-stores 32-column subtiles, each into one
                                           split: fp16/bf16 with K and N multiples of 8, every split
                                           starting at a multiple of 32 columns, 16-byte aligned x, W*
                                           and outputs, on compute capability 9.0, in builds that found
                                           the CUTLASS headers; elsewhere FLASHNORM_STATUS_UNSUPPORTED.
-                                          AUTO picks it in its measured region only (dispatch/),
-                                          never for split edges off the 32-column grid, and runs
-                                          two_stream instead where the device or the pointers
-                                          refuse it */
+                                          AUTO picks it in its measured region only (K <= 1024 at
+                                          17..1024 rows, to 4096 for several runs of splits, below
+                                          prenorm's region, which for one run of equal splits
+                                          starts only past M·N = 2^20 there; at 64 rows with
+                                          K >= 2048, for one run where K·N < 2^26; from 9 rows
+                                          where its tiles run in one wave at least 70 % full, see
+                                          capi.cpp), never for split edges off the 32-column grid,
+                                          and runs two_stream instead where the device or the
+                                          pointers refuse it */
 } flashnorm_strategy;
 
 typedef enum flashnorm_status
@@ -102,12 +106,10 @@ FLASHNORM_API flashnorm_status flashnorm_context_create(flashnorm_context** cont
 FLASHNORM_API void flashnorm_context_destroy(flashnorm_context* context);
 
 /* Bytes of device workspace flashnorm_matmul needs for this problem or any smaller M (under AUTO
- * too, whichever strategy it picks for the smaller M). The workspace must be 256-byte aligned.
- * AUTO picks for the current device's multiprocessors (with no device, for the H200's its
- * thresholds were measured on): ask on the device the calls will run on. */
+ * too, whichever strategy it picks for the smaller M). The workspace must be 256-byte aligned. */
 FLASHNORM_API size_t flashnorm_workspace_size(flashnorm_problem const* problem);
 
-/* The strategy AUTO resolves to for this problem on the current device (never AUTO). */
+/* The strategy AUTO resolves to for this problem (never AUTO). */
 FLASHNORM_API flashnorm_strategy flashnorm_resolve_strategy(flashnorm_problem const* problem);
 
 /* Enqueues y_i = (x · W*)[:, cols_i] ⊙ rsqrt(mean(x²)+eps) on `stream`. Asynchronous; returns
