@@ -37,8 +37,10 @@ typedef enum flashnorm_dtype
 
 typedef enum flashnorm_strategy
 {
-    FLASHNORM_STRATEGY_AUTO = 0,       /* picks by M, K·N, the splits and the dtype; thresholds
-                                          measured on H200, see capi.cpp */
+    FLASHNORM_STRATEGY_AUTO = 0,       /* picks by M, K·N, the splits and the dtype; every threshold
+                                          (measured on H200, for its 132 multiprocessors) is in
+                                          dispatch/dispatch.cpp, its picks over a grid of shapes in
+                                          tests/plugins/golden/auto_dispatch.csv */
     FLASHNORM_STRATEGY_TWO_STREAM = 1, /* cuBLASLt GEMM on the caller's stream ‖ RMS on a side stream */
     FLASHNORM_STRATEGY_FUSED = 2,      /* one kernel: GEMV + sum(x²) + scale in its epilogue */
     FLASHNORM_STRATEGY_PRENORM = 3,    /* x̂ = x ⊙ rsqrt(mean(x²)+eps) into the workspace (one rounding to
@@ -48,27 +50,21 @@ typedef enum flashnorm_strategy
                                           before the call returns); for large M, where a pass over the
                                           N-wide output costs more than one over the K-wide input */
     FLASHNORM_STRATEGY_EPILOGUE_SCALE = 4, /* one CUTLASS sm90 GEMM scaling each row by rsqrt(mean(x²)+eps)
-                                          and storing each split straight into its output. Where K <=
-                                          1024, to 1024 rows, and on longer K to 256 rows where its
-                                          64×64 tiles would exceed one wave and 64×128 ones do not, its
-                                          main loop sums the rows' squares from the x tiles it loads;
-                                          elsewhere a reduction kernel runs first
-                                          and the GEMM, launched after it with programmatic dependent
-                                          launch, overlaps it and waits for it before its epilogue.
+                                          and storing each split straight into its output. On some
+                                          tiles (dispatch/dispatch.cpp says which) its main loop sums
+                                          the rows' squares from the x tiles it loads; on the others a
+                                          reduction kernel runs first and the GEMM, launched after it
+                                          with programmatic dependent launch, overlaps it and waits for
+                                          it before its epilogue.
                                           Its epilogue TMA-stores 32-column subtiles, each into one
                                           split: fp16/bf16 with K and N multiples of 8, every split
                                           starting at a multiple of 32 columns, 16-byte aligned x, W*
                                           and outputs, on compute capability 9.0, in builds that found
                                           the CUTLASS headers; elsewhere FLASHNORM_STATUS_UNSUPPORTED.
-                                          AUTO picks it in its measured region only (K <= 1024 at
-                                          17..1024 rows, to 4096 for several runs of splits, below
-                                          prenorm's region, which for one run of equal splits
-                                          starts only past M·N = 2^20 there; at 64 rows with
-                                          K >= 2048, for one run where K·N < 2^26; from 9 rows
-                                          where its tiles run in one wave at least 70 % full, see
-                                          capi.cpp), never for split edges off the 32-column grid,
-                                          and runs two_stream instead where the device or the
-                                          pointers refuse it */
+                                          AUTO picks it in its measured region only (dispatch/),
+                                          never for split edges off the 32-column grid, and runs
+                                          two_stream instead where the device or the pointers
+                                          refuse it */
 } flashnorm_strategy;
 
 typedef enum flashnorm_status
