@@ -1,6 +1,6 @@
 """The epilogue-scale GEMM under every tile configuration, forced, against what AUTO runs and the
 peers, on the kernel benchmark's sites: the measurements behind epilogue_scale_tiles' dispatch and
-AUTO's epilogue-scale rows (kernels/NOTES.md).
+AUTO's epilogue-scale rows (kernels/DESIGN.md).
 
     python benchmarks/epilogue_scale_tiles.py --out DIR [--sites 'Llama-3.2-1B qkv'] [--m 256 1024] [--tiles NAME ...]
 

@@ -15,14 +15,14 @@ from flashnorm.cuda_ops.library import resolve_strategy
 # _ADD_ONE_GROUP_ROWS rows (one 8-token B operand) everywhere, and up to 16 only while K·N is at
 # most _ADD_TWO_GROUP_MAX_WEIGHT: with two B operands the add cost the fused kernel 0.9-1.8 µs on
 # 576×3072, 2048×3072 and 2048×16384, which then lost to Inductor's add + norm kernel + cuBLAS at
-# 12 and 16 rows; 0.3 µs on 576×960, which still won (H200, bf16, plugins/flashnorm/kernels/NOTES.md,
+# 12 and 16 rows; 0.3 µs on 576×960, which still won (H200, bf16, plugins/flashnorm/kernels/DESIGN.md,
 # "The residual add beyond 8 rows").
 _ADD_ONE_GROUP_ROWS = 8
 _ADD_TWO_GROUP_MAX_WEIGHT = 1 << 20
 # Up to the fused kernel's 16 rows AUTO picks the epilogue-scale GEMM only where that measured
 # faster than the fused kernel, and there it also beat torch.compile's norm kernel + cuBLAS (H200,
 # bf16, 16 rows: SmolLM2-135M gate|up 4.92 against 5.97 µs, Llama-3.2-1B gate|up 20.3 against 21.4,
-# Llama-3.1-8B q|k|v 16.5 against 18.7; docs/BENCHMARKS.md, 2026-12-03 18:21 UTC): Inductor keeps
+# Llama-3.1-8B q|k|v 16.5 against 18.7; docs/history/2026-12-03-benchmarks.md, 2026-12-03 18:21 UTC): Inductor keeps
 # that library call too.
 _LIBRARY_EPILOGUE_SCALE_MAX_ROWS = 16
 

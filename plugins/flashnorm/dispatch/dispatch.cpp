@@ -1,8 +1,8 @@
 // AUTO's policy and the epilogue-scale GEMM's tile rules: the two tables a maintainer edits (kAuto,
 // kTiles), each boundary written once, and the functions that read them. Each boundary was measured
 // on an NVIDIA H200 with bf16, W* from HBM and CUDA-graph replay; what was measured, where and when is
-// in kernels/NOTES.md ("AUTO's table"). The effect of an edit over a grid of shapes:
-// `python plugins/flashnorm/dispatch/write_golden.py`, then `git diff tests/plugins/golden/`.
+// in kernels/DESIGN.md and, as measured, docs/history/2026-12-04-kernel-notes.md ("AUTO's table").
+// The effect of an edit over a grid of shapes: `python plugins/flashnorm/dispatch/write_golden.py`, then `git diff tests/plugins/golden/`.
 //
 // C++20 (designated initializers) and no CUDA header: CMake builds this file alone in that standard.
 #include "dispatch/dispatch.h"
@@ -34,7 +34,7 @@ struct TileRules
     int64_t long_k_one_wave_fill_percent;
 };
 
-// Measured on the H200 (kernels/NOTES.md):
+// Measured on the H200 (kernels/DESIGN.md):
 // - Short K, to 1024 rows: one wave of the narrowest of 64×32, 64×64 and 64×128 tiles that number
 //   at most the multiprocessors (the non-persistent kernel, one tile per block, no tile
 //   scheduler), else ping-pong 64×128 tiles. 2026-12-03 ("Short K beyond 256 rows, long K back to

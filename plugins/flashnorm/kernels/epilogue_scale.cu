@@ -28,7 +28,7 @@
 // pointers (which a grouped GEMM reads, so a capture-safe call would need an extra kernel to write
 // them) and no descriptor rewrites on the device. Splits must therefore start at multiples of 32
 // columns (dispatch::epilogue_scale_shape_fits). On the H200 this made the kernel 0.68-0.95x as long as
-// storing from registers (2026-12-03: SmolLM2-135M q|k|v at 1024 rows 9.0 -> 6.1 µs; kernels/NOTES.md).
+// storing from registers (2026-12-03: SmolLM2-135M q|k|v at 1024 rows 9.0 -> 6.1 µs; kernels/DESIGN.md).
 #include "kernels/kernels.h"
 
 // Which tiles run a shape (epilogue_scale_tiles), and why, is the dispatch unit's:
@@ -382,7 +382,7 @@ struct RowScaleSplitStore
 // 128×128 tiles at 144 rows 40.5 µs, 25.7 with x's tensor map spanning 256 rows of a padded x, 25.6
 // loaded this way; clipping the stores past M instead costs nothing), and each further box of a
 // stage costs too (Llama-3.2-1B q|k|v on 64×64 tiles at 112 rows 11.6 µs with one box per atom,
-// 9.2 this way, 9.6 at 128 rows; kernels/NOTES.md). The stage's full barrier expects the whole
+// 9.2 this way, 9.6 at 128 rows; kernels/DESIGN.md). The stage's full barrier expects the whole
 // tile's bytes (the pipeline's fixed count): the producer completes the bytes it does not load
 // itself (mbarrier.complete_tx) after its expect, so the phase still ends only once every box has
 // landed. Rows past x keep whatever the stage held: an accumulator row depends on its own row of A
@@ -535,7 +535,7 @@ struct PartialRowBlockMainloop : Base
 // every warp's reads, precede: no reader is still reading when the producer refills it. On the
 // H200 reading after the issue instead, with each stage then held one iteration longer, measured
 // slower (SmolLM2-135M q|k|v at 64 rows 5.87 µs against 5.52, Llama-3.2-1B q|k|v 13.5 against
-// 11.6: kernels/NOTES.md).
+// 11.6: kernels/DESIGN.md).
 //
 // The producer waits for the grids before it on the stream (griddepcontrol.wait) before its first
 // load, so the GEMM can be launched with programmatic stream serialization: its launch and

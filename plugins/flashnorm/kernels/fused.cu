@@ -649,7 +649,7 @@ cudaError_t launch_mma_layout(T const* x, TypedResidual<T> const& add, T const* 
 }
 
 // Columns per strip. Measured on an H200 (bf16, W* from HBM, M = 1/4/16, forced widths 16/32/128;
-// plugins/flashnorm/kernels/NOTES.md): 32-column strips win where W* is small (576×960: 4.38 vs
+// plugins/flashnorm/kernels/DESIGN.md): 32-column strips win where W* is small (576×960: 4.38 vs
 // 4.67 µs at M = 1, 4.61 vs 5.43 at M = 16; 576×3072: 5.02 vs 5.21 and 6.02 vs 6.58) and lose from
 // 2048×3072 up (7.69 vs 7.41 at M = 1): there the wide strips' 256-byte row pieces read HBM better.
 // 16-column strips never won (576×960: 4.63 at best).
@@ -660,7 +660,7 @@ int pick_strip_cols(int64_t k, int64_t n)
 }
 
 // Blocks per strip (the cluster size). Measured on an H200 (bf16, W* from HBM, M = 1/4/16,
-// forced sizes 1/2/4/8; plugins/flashnorm/kernels/NOTES.md): the best size keeps the grid within
+// forced sizes 1/2/4/8; plugins/flashnorm/kernels/DESIGN.md): the best size keeps the grid within
 // two blocks per multiprocessor and is at most 4 (576×3072: 5.2 µs at 4 vs 5.3 at 8; 2048×16384:
 // 20.3 at 2 vs 21.2 at 1 and 26.3 at 4; 4096×6144: 16.8 at 4 vs 22.3 at 8; 4096×28672: 61.5 at 1),
 // except for very narrow outputs, where 8 blocks per strip still fit in half a wave (576×960:

@@ -138,7 +138,7 @@ __global__ void __launch_bounds__(kNormalizeMaxThreads)
 // 16-bit, 512 in fp32): one warp per row, one row per block, the sum in shuffles alone. The kernel
 // above runs these rows with one-warp blocks too, but through its block-wide reduction (shared
 // memory, two barriers) and a grid-stride loop; on K = 576 it measured 0.3-0.4 µs slower than
-// Inductor's norm kernel on the same 1024 × 32 grid (kernels/NOTES.md). Same arithmetic, same order.
+// Inductor's norm kernel on the same 1024 × 32 grid (kernels/DESIGN.md). Same arithmetic, same order.
 template <typename T>
 __global__ void __launch_bounds__(32) normalize_rows_warp_kernel(
     uint4 const* __restrict__ x, uint4* __restrict__ normalized, int64_t vectors, float k, float eps, PointerTable pointers)

@@ -344,7 +344,7 @@ flashnorm_status run_prenorm(flashnorm_context* context, flashnorm_problem const
     bool const forked = run_count > 1;
     if (forked)
     {
-        // A narrow run's GEMM alone leaves most of the GPU idle (kernels/NOTES.md, prenorm): the
+        // A narrow run's GEMM alone leaves most of the GPU idle (kernels/DESIGN.md, prenorm): the
         // narrow ones run on the side stream, one after another on its own cuBLASLt workspace,
         // while the widest runs here. Fork after x̂ and the table are written: they all read them.
         flashnorm_status const status = fork_side_stream(context, stream);

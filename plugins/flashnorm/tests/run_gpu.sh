@@ -84,9 +84,9 @@ if [ "$sanitizer" -eq 1 ]; then
         grep -E "ERROR SUMMARY|RACECHECK SUMMARY|passed, " "$LOGS/sanitizer_$tool.log" | tee -a "$summary"
     done
     # racecheck flags cuBLAS's sm_90 GEMM kernels (nvjet_*) wherever they run, torch.mm included
-    # (kernels/NOTES.md): the control runs the library's GEMM shapes through cuBLASLt alone. Hazards
+    # (kernels/DESIGN.md): the control runs the library's GEMM shapes through cuBLASLt alone. Hazards
     # are then sorted by kernel: FlashNorm's own must be none. (Excluding nvjet_* from the check with
-    # --kernel-name-exclude makes the sanitizer itself fail on a batched cuBLASLt GEMM: NOTES.md.)
+    # --kernel-name-exclude makes the sanitizer itself fail on a batched cuBLASLt GEMM: kernels/DESIGN.md.)
     step sanitizer_racecheck_control compute-sanitizer --tool racecheck build/plugins/flashnorm/tests/cublaslt_control
     for log in sanitizer_racecheck sanitizer_racecheck_control; do
         note "$log: race reports in cuBLAS's nvjet_* kernels: $(grep "Race reported" "$LOGS/$log.log" | grep -c nvjet_)," \
