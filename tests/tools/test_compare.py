@@ -73,6 +73,7 @@ def test_given_ids_and_past(tiny_llama_onnx, tiny_folded, capsys):
     (["--past-length", "4"], "needs a model with KV-cache inputs"),
     (["--batch", "0"], "argument --batch: must be at least 1"),
     (["--sequence", "1000000"], "these sizes need at least"),  # refused before allocating, not OOM-killed
+    (["--generate", "10000000"], "--generate/--tokens: these sizes need at least"),
     (["--providers", "NoSuchExecutionProvider"], "available"),
 ])
 def test_bad_input_is_one_line(tiny_llama_onnx, tiny_folded, capsys, argv_tail, message):

@@ -15,7 +15,8 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from flashnorm.errors import FlashNormError
-from flashnorm.validate.inputs import as_int_sequence
+from flashnorm.validate.feeds import check_memory, token_model_bytes
+from flashnorm.validate.inputs import as_int_sequence, read_signature
 from flashnorm.validate.runners import make_session
 
 
@@ -111,6 +112,9 @@ def compare_generation(
     honoured during the comparison (both models run `max_new_tokens` steps) unless
     `eos_token_id` is given."""
     prompt = as_int_sequence(prompt_ids)
+    vocab = read_signature(reference).vocab_size
+    if vocab is not None:  # every step reruns the whole sequence: its logits grow with it
+        check_memory("--generate/--tokens", token_model_bytes(1, len(prompt) + max_new_tokens, vocab, 1))
     results = []
     for path in (reference, candidate):
         session = session_factory(path)
