@@ -1,0 +1,2 @@
+def plan(node, activation, gain, where):
+    return None
