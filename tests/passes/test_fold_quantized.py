@@ -14,7 +14,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from flashnorm.match import find_norm_sites
 from flashnorm.passes import run_passes
-from synthetic import GraphBuilder, axes_input, random_gain, run
+from synthetic import GraphBuilder, axes_input, random_gain
 
 EPS = 1e-5
 HIDDEN = 96  # 3 blocks of 32, 6 of 16; not a multiple of 64 or 128 (padded last block)
@@ -39,6 +39,18 @@ def nbits_weight(b: np.ndarray, scales: np.ndarray, zero_points, bits: int, k: i
         zeros = np.stack([(zp >> (bits * i)) & ((1 << bits) - 1) for i in range(per)], axis=-1).reshape(n, -1)[:, :blocks]
     w = (codes[..., :block] - zeros[..., None].astype(np.float64)) * scales.reshape(n, blocks, 1).astype(np.float64)
     return w.reshape(n, -1)[:, :k].T
+
+
+def run(model: onnx.ModelProto, feeds: dict) -> list[np.ndarray]:
+    """ONNX Runtime on CPU without graph optimizations: its DequantizeLinear → MatMul fusion
+    (into MatMulNBits, activations quantized to int8) would hide float-rounding-sized checks."""
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    options.log_severity_level = 3
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    session = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    return session.run(None, feeds)
 
 
 def graph_weights(model: onnx.ModelProto) -> dict[str, np.ndarray]:
@@ -120,3 +132,153 @@ def test_matmulnbits_from_onnxruntime_quantizer(bits, block, symmetric, rng):
         assert weight["rel_error"] > 0 and weight["own_noise"] > 0
         assert abs(weight["noise_ratio"] - weight["rel_error"] / weight["own_noise"]) < 1e-9
         assert sum(weight["clip_ratios"].values()) == pytest.approx(1.0, abs=1e-3)
+
+
+# ── DequantizeLinear weights, written here ──────────────────────────────────────────────────
+
+CODE_TYPES = {  # name: (numpy dtype, qmin, qmax, ONNX type)
+    "int4": ("int4", -8, 7), "uint4": ("uint4", 0, 15), "int8": (np.int8, -128, 127), "uint8": (np.uint8, 0, 255),
+    "float8e4m3fn": ("float8_e4m3fn", None, None),
+}
+
+
+def _np_type(name):
+    import ml_dtypes
+
+    kind = CODE_TYPES[name][0]
+    return np.dtype(getattr(ml_dtypes, kind) if isinstance(kind, str) else kind)
+
+
+def expand(scale: np.ndarray, shape, kind: str, axis: int, block: int) -> np.ndarray:
+    """A scale (or zero point) of the given layout, repeated to the weight's shape."""
+    if kind == "tensor":
+        return np.broadcast_to(scale.reshape(1, 1), shape).astype(np.float64)
+    if kind == "axis":
+        return np.broadcast_to(scale.reshape((-1, 1) if axis == 0 else (1, -1)), shape).astype(np.float64)
+    return np.repeat(scale.astype(np.float64), block, axis=axis)[:shape[0], :shape[1]]
+
+
+def quantize_np(w: np.ndarray, code: str, kind: str, axis: int, block: int, asymmetric: bool):
+    """A plain amax quantizer (the test's own): codes, scale (float32), zero point or None."""
+    def reduce(values, fn):
+        if kind == "tensor":
+            return np.asarray(fn(values)).reshape(())
+        if kind == "axis":
+            return fn(values, axis=1 - axis)
+        moved = values if axis == 1 else values.T
+        blocks = -(-moved.shape[1] // block)
+        padded = np.zeros((moved.shape[0], blocks * block))
+        padded[:, :moved.shape[1]] = moved
+        out = fn(padded.reshape(moved.shape[0], blocks, block), axis=2)
+        return out if axis == 1 else out.T
+
+    dtype = _np_type(code)
+    if code == "float8e4m3fn":
+        scale = (reduce(np.abs(w), np.max) / 448).astype(np.float32)
+        codes = (w / expand(scale, w.shape, kind, axis, block)).astype(dtype)
+        return codes, scale, None
+    _, qmin, qmax = CODE_TYPES[code]
+    if asymmetric or qmin == 0:
+        hi, lo = np.maximum(reduce(w, np.max), 0), np.minimum(reduce(w, np.min), 0)
+        scale = ((hi - lo) / (qmax - qmin)).astype(np.float32)
+        zero = np.clip(np.round(qmin - lo / scale), qmin, qmax)
+        full_zero = expand(zero, w.shape, kind, axis, block)
+        codes = np.clip(np.round(w / expand(scale, w.shape, kind, axis, block)) + full_zero, qmin, qmax)
+        return codes.astype(dtype), scale, zero.astype(dtype)
+    scale = (reduce(np.abs(w), np.max) / qmax).astype(np.float32)
+    codes = np.clip(np.round(w / expand(scale, w.shape, kind, axis, block)), qmin, qmax)
+    return codes.astype(dtype), scale, None
+
+
+def dequantize_np(codes, scale, zero, kind, axis, block) -> np.ndarray:
+    full = expand(scale, codes.shape, kind, axis, block)
+    z = 0.0 if zero is None else expand(zero.astype(np.float64), codes.shape, kind, axis, block)
+    return (codes.astype(np.float64) - z) * full
+
+
+LAYOUTS = {  # name: (kind, axis relative to K (0) or N (1), block, exact)
+    "per-tensor": ("tensor", 0, 0, False),
+    "per-axis-N": ("axis", 1, 0, False),
+    "per-axis-K": ("axis", 0, 0, True),
+    "blocked-K32": ("block", 0, 32, False),
+    "blocked-K1": ("block", 0, 1, True),
+    "blocked-N8": ("block", 1, 8, True),
+}
+
+
+def dq_model(rng, code, layout, spelling, asymmetric, gain=None, width=40):
+    """x → norm → MatMul/Gemm reading DequantizeLinear(codes, scale[, zero]) as its weight.
+    spelling: 'kn' [K, N] codes; 'transpose' [N, K] codes behind Transpose; 'gemm' [N, K] codes,
+    Gemm transB=1; 'cast' [K, N] codes, DequantizeLinear → Cast(float16) → Cast(float)."""
+    kind, k_or_n, block, _ = LAYOUTS[layout]
+    b = GraphBuilder(21)
+    gain = random_gain(rng, HIDDEN) if gain is None else gain
+    y = axes_input(b, "x", gain, EPS)
+    w = rng.standard_normal((HIDDEN, width)) / np.sqrt(HIDDEN)  # [K, N]
+    transposed = spelling in ("transpose", "gemm")
+    stored = w.T if transposed else w
+    axis = k_or_n if not transposed else 1 - k_or_n
+    codes, scale, zero = quantize_np(stored, code, kind, axis, block, asymmetric)
+    inputs = [b.const(codes, "w_q"), b.const(scale, "w_scale")] + ([b.const(zero, "w_zero")] if zero is not None else [])
+    attrs = {"axis": axis} if kind != "tensor" else {}
+    if kind == "block":
+        attrs["block_size"] = block
+    weight = b.op("DequantizeLinear", inputs, **attrs)
+    if spelling == "transpose":
+        weight = b.op("Transpose", [weight], perm=[1, 0])
+    if spelling == "cast":
+        weight = b.op("Cast", [b.op("Cast", [weight], to=TensorProto.FLOAT16)], to=TensorProto.FLOAT)
+    dims = ["tokens"] if spelling == "gemm" else ["batch", "seq"]
+    out = b.op("Gemm", [y, weight], transB=1) if spelling == "gemm" else b.op("MatMul", [y, weight])
+    model = b.model([helper.make_tensor_value_info("x", TensorProto.FLOAT, dims + [HIDDEN])], [out])
+    deq = dequantize_np(codes, scale, zero, kind, axis, block)
+    if spelling == "cast":
+        deq = deq.astype(np.float16).astype(np.float64)
+    return model, gain, deq.T if transposed else deq
+
+
+def _check_folded(model, gain, weight, rng, *, exact, x=None, limit=float("inf"), rounding=1e-5):
+    """Fold, then compare ONNX Runtime on the folded file with the float64 evaluation of the
+    original; returns the fold's site details. `rounding`: what float rounding alone may cost
+    (an fp16 Cast after the dequantized weight rounds the folded values again)."""
+    folded, report = fold_model(model, quant_limit=limit)
+    assert report.count("folded") == 1, report.to_dict()
+    assert op_types(folded) == op_types(model)
+    details = report.decisions[0].details["quantized"]
+    assert details["exact"] == exact
+    x = x_feed(rng) if x is None else x
+    if x.ndim == 3 and model.graph.input[0].type.tensor_type.shape.dim[0].dim_param == "tokens":
+        x = x.reshape(-1, x.shape[-1])
+    want = norm64(x, gain) @ weight
+    (original,) = run(model, {"x": x})
+    assert relative_rms(original, want) < 5e-5  # the test's dequantizer is ORT's
+    (got,) = run(folded, {"x": x})
+    error = relative_rms(got, want)
+    (weight_details,) = details["weights"]
+    if exact:
+        assert error < rounding and weight_details["noise_ratio"] == 0.0, (error, weight_details)
+    else:
+        assert error < 3 * weight_details["rel_error"] + rounding, (error, weight_details)
+        assert weight_details["noise_ratio"] > 0
+    return details
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+@pytest.mark.parametrize("code,asymmetric", [("int4", False), ("uint4", True), ("int8", False), ("int8", True),
+                                             ("uint8", True)])
+def test_dequantize_linear_every_layout(code, asymmetric, layout, rng):
+    model, gain, weight = dq_model(rng, code, layout, "kn", asymmetric)
+    _check_folded(model, gain, weight, rng, exact=LAYOUTS[layout][3])
+
+
+@pytest.mark.parametrize("layout", ["per-tensor", "per-axis-N", "per-axis-K"])
+def test_dequantize_linear_float8(layout, rng):
+    model, gain, weight = dq_model(rng, "float8e4m3fn", layout, "kn", False)
+    _check_folded(model, gain, weight, rng, exact=LAYOUTS[layout][3])
+
+
+@pytest.mark.parametrize("spelling", ["transpose", "gemm", "cast"])
+@pytest.mark.parametrize("layout", ["per-axis-N", "per-axis-K", "blocked-K32"])
+def test_dequantize_linear_transposed_spellings(spelling, layout, rng):
+    model, gain, weight = dq_model(rng, "int8", layout, spelling, False)
+    _check_folded(model, gain, weight, rng, exact=LAYOUTS[layout][3], rounding=2e-3 if spelling == "cast" else 1e-5)
