@@ -282,3 +282,221 @@ def test_dequantize_linear_float8(layout, rng):
 def test_dequantize_linear_transposed_spellings(spelling, layout, rng):
     model, gain, weight = dq_model(rng, "int8", layout, spelling, False)
     _check_folded(model, gain, weight, rng, exact=LAYOUTS[layout][3], rounding=2e-3 if spelling == "cast" else 1e-5)
+
+
+# ── fake quantization (ModelOpt): float → QuantizeLinear → DequantizeLinear ────────────────
+
+def fake_quant_model(rng, code, layout, gain=None, width=40):
+    """ModelOpt's weight spelling: a float [N, K] initializer → Q → DQ (one shared scale, zero
+    points of the code type, zeros) → Transpose → MatMul; scale from amax per group."""
+    kind, k_or_n, block, _ = LAYOUTS[layout]
+    b = GraphBuilder(21)
+    gain = random_gain(rng, HIDDEN) if gain is None else gain
+    y = axes_input(b, "x", gain, EPS)
+    w = (rng.standard_normal((width, HIDDEN)) / np.sqrt(HIDDEN)).astype(np.float32)  # [N, K]
+    axis = 1 - k_or_n
+    codes, scale, _ = quantize_np(w.astype(np.float64), code, kind, axis, block, False)
+    zero = np.zeros(scale.shape, _np_type(code))
+    attrs = {"axis": axis} if kind != "tensor" else {}
+    if kind == "block":
+        attrs["block_size"] = block
+    scale_name, zero_name = b.const(scale, "w_scale"), b.const(zero, "w_zero")
+    q = b.op("QuantizeLinear", [b.const(w, "w"), scale_name, zero_name], **attrs)
+    weight = b.op("Transpose", [b.op("DequantizeLinear", [q, scale_name, zero_name], **attrs)], perm=[1, 0])
+    out = b.op("MatMul", [y, weight])
+    model = b.model([helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", "seq", HIDDEN])], [out])
+    return model, gain, dequantize_np(codes, scale, None, kind, axis, block).T, w
+
+
+@pytest.mark.parametrize("code,layout", [("int8", "per-axis-N"), ("int8", "per-tensor"), ("int4", "blocked-K32"),
+                                         ("float8e4m3fn", "per-tensor"), ("int8", "per-axis-K")])
+def test_fake_quant_folds_into_the_float_weight(code, layout, rng):
+    model, gain, weight, w = fake_quant_model(rng, code, layout)
+    details = _check_folded(model, gain, weight, rng, exact=LAYOUTS[layout][3])
+    assert "fake quant" in details["weights"][0]["format"]
+    folded, _ = fold_model(model, quant_limit=float("inf"))
+    saved = graph_weights(folded)
+    (quantize,) = [n for n in folded.graph.node if n.op_type == "QuantizeLinear"]
+    (dequantize,) = [n for n in folded.graph.node if n.op_type == "DequantizeLinear"]
+    # The float weight took the gain; Q and DQ share the recomputed scale: amax(|g·W|) per group.
+    np.testing.assert_array_equal(saved[quantize.input[0]], (w.astype(np.float64) * gain).astype(np.float32))
+    assert quantize.input[1] == dequantize.input[1]
+    kind, k_or_n, block, _ = LAYOUTS[layout]
+    _, expected_scale, _ = quantize_np(w.astype(np.float64) * gain, code, kind, 1 - k_or_n, block, False)
+    np.testing.assert_allclose(saved[quantize.input[1]], expected_scale, rtol=1e-6)
+
+
+# ── exact: a per-input-channel scale in front of the projection ────────────────────────────
+
+def test_prescale_mul_absorbs_the_gain_exactly(rng):
+    """ModelOpt int4_awq: x̂·g → Mul(pre_quant_scale) → MatMulNBits; the gain goes into the
+    scale (exact), the quantized weight is not touched; a plain float projection beside it is
+    folded as usual."""
+    model, gain = _float_model(rng, widths=(40, 24))
+    quantized = ort_nbits(model, 4, 32, False)
+    graph = gs.import_onnx(quantized)
+    (site,) = find_norm_sites(graph)
+    nbits = [n for n in graph.nodes if n.op == "MatMulNBits"]
+    prescale = (np.exp(rng.uniform(-1, 1, HIDDEN))).astype(np.float32)
+    scaled = gs.Variable("prescaled", dtype=np.float32)
+    graph.nodes.append(gs.Node("Mul", name="pre_quant_scale", inputs=[site.output, gs.Constant("s", prescale)],
+                               outputs=[scaled]))
+    nbits[0].inputs[0] = scaled
+    model = gs.export_onnx(graph)
+    before = graph_weights(model)
+    x = x_feed(rng)
+    folded, report = fold_model(model)  # the default quant limit: the exact prescale is taken...
+    assert report.count("skipped") == 1 and "quant limit" in report.decisions[0].reason  # ...the bare MatMulNBits is not
+    folded, report = fold_model(model, quant_limit=float("inf"))
+    weights = report.decisions[0].details["quantized"]["weights"]
+    (exact,) = [w for w in weights if w["exact"]]
+    assert len(weights) == 2 and exact["format"].startswith("prescale") and exact["consumer"] == "Mul pre_quant_scale"
+    after = graph_weights(folded)
+    (mul,) = [n for n in folded.graph.node if n.op_type == "Mul" and n.name == "pre_quant_scale"]
+    np.testing.assert_array_equal(after[mul.input[1]], (prescale.astype(np.float64) * gain).astype(np.float32))
+    (behind,) = [n for n in folded.graph.node if n.op_type == "MatMulNBits" and n.input[0] == mul.output[0]]
+    assert behind.input[1] in before  # behind the prescale: B unchanged
+    index = [o.name for o in folded.graph.output].index(behind.output[0])
+    got, expected = run(folded, {"x": x})[index], run(model, {"x": x})[index].astype(np.float64)
+    want = (norm64(x, gain) * prescale) @ nbits_weight(*[before[n] for n in behind.input[1:4]], 4, HIDDEN, 32)
+    assert relative_rms(got, want) < 1e-5 and relative_rms(got, expected) < 1e-5
+
+
+def test_prescale_alone_folds_within_the_default_limit(rng):
+    model, gain = _float_model(rng, widths=(40,))
+    quantized = ort_nbits(model, 4, 32, True)
+    graph = gs.import_onnx(quantized)
+    (site,) = find_norm_sites(graph)
+    (nbits,) = [n for n in graph.nodes if n.op == "MatMulNBits"]
+    prescale = np.exp(rng.uniform(-1, 1, HIDDEN)).astype(np.float32)
+    scaled = gs.Variable("prescaled", dtype=np.float32)
+    graph.nodes.append(gs.Node("Mul", name="pre_quant_scale", inputs=[site.output, gs.Constant("s", prescale)],
+                               outputs=[scaled]))
+    nbits.inputs[0] = scaled
+    model = gs.export_onnx(graph)
+    x = x_feed(rng)
+    folded, report = fold_model(model)
+    assert report.count("folded") == 1 and report.decisions[0].details["quantized"]["exact"]
+    assert relative_rms(run(folded, {"x": x})[0], run(model, {"x": x})[0].astype(np.float64)) < 1e-5
+
+
+# ── refusals: one line, the site left alone ─────────────────────────────────────────────────
+
+def test_activation_quantize_linear_is_refused_with_the_route(rng):
+    """ModelOpt int8/fp8: a static QuantizeLinear on the norm's output, calibrated on x̂·g."""
+    b = GraphBuilder(21)
+    y = axes_input(b, "x", random_gain(rng, HIDDEN), EPS)
+    scale, zero = b.const(np.array(0.05, np.float32)), b.const(np.array(0, np.int8))
+    a = b.op("DequantizeLinear", [b.op("QuantizeLinear", [y, scale, zero]), scale, zero])
+    out = b.op("MatMul", [a, b.const((rng.standard_normal((HIDDEN, 8)) / 10).astype(np.float32), "w")])
+    model = b.model([helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", "seq", HIDDEN])], [out])
+    folded, report = fold_model(model)
+    (decision,) = report.decisions
+    assert decision.action == "skipped" and "fold first, then quantize" in decision.reason
+    assert "\n" not in decision.reason
+    x = x_feed(rng)
+    np.testing.assert_array_equal(run(folded, {"x": x})[0], run(model, {"x": x})[0])
+
+
+def _edit_model(model, edit):
+    graph = gs.import_onnx(model)
+    edit(graph)
+    return gs.export_onnx(graph, do_type_check=False)
+
+
+def _malformed(rng):
+    """(name, model, words the reason must contain) for inputs the fold must refuse."""
+    cases = []
+    model, _, _ = dq_model(rng, "int8", "blocked-K32", "kn", False)
+
+    def wrong_scale(graph):
+        (dq,) = [n for n in graph.nodes if n.op == "DequantizeLinear"]
+        dq.inputs[1] = gs.Constant("bad_scale", np.ones((2, 40), np.float32))
+    cases.append(("scale shape vs block size", _edit_model(model, wrong_scale), "does not match block_size"))
+    model, _, _ = dq_model(rng, "uint8", "per-axis-N", "kn", True)
+
+    def wrong_zero(graph):
+        (dq,) = [n for n in graph.nodes if n.op == "DequantizeLinear"]
+        dq.inputs[2] = gs.Constant("bad_zero", dq.inputs[2].values.astype(np.int8))
+    cases.append(("zero point type", _edit_model(model, wrong_zero), "zero point of type int8"))
+
+    def graph_input(graph):
+        (dq,) = [n for n in graph.nodes if n.op == "DequantizeLinear"]
+        codes = gs.Variable("w_codes_input", dtype=np.uint8, shape=list(dq.inputs[0].shape))
+        dq.inputs[0] = codes
+        graph.inputs.append(codes)
+    cases.append(("codes are a graph input", _edit_model(model, graph_input), "graph input"))
+    quantized = ort_nbits(_float_model(rng)[0], 4, 32, False)
+
+    def nbits_scales(graph):
+        (node,) = [n for n in graph.nodes if n.op == "MatMulNBits"]
+        node.inputs[2] = gs.Constant("bad_scales", np.ones((40, 2), np.float32))
+    cases.append(("MatMulNBits scales", _edit_model(quantized, nbits_scales), "does not match N=40"))
+
+    def nbits_zero(graph):
+        (node,) = [n for n in graph.nodes if n.op == "MatMulNBits"]
+        node.inputs[3] = gs.Constant("bad_zero", node.inputs[3].values.astype(np.int8))
+    cases.append(("MatMulNBits zero point type", _edit_model(quantized, nbits_zero), "zero points of type int8"))
+
+    def g_idx(graph):
+        (node,) = [n for n in graph.nodes if n.op == "MatMulNBits"]
+        node.inputs.append(gs.Constant("g_idx", (np.arange(HIDDEN) // 32).astype(np.int32)))
+    cases.append(("MatMulNBits g_idx", _edit_model(quantized, g_idx), "g_idx (act-order)"))
+    return cases
+
+
+def test_malformed_quantized_inputs_leave_the_site_alone(rng):
+    for name, model, words in _malformed(rng):
+        folded, report = fold_model(model, quant_limit=float("inf"))
+        (decision,) = report.decisions
+        assert decision.action == "skipped" and words in decision.reason, (name, decision.reason)
+        assert "\n" not in decision.reason
+        before = {n.name: list(n.input) for n in model.graph.node}
+        assert {n.name: list(n.input) for n in folded.graph.node} == before, name  # the file as it was
+        assert graph_weights(folded).keys() == graph_weights(model).keys()
+
+
+def test_sites_above_the_quant_limit_keep_their_gain(rng):
+    model, gain = _float_model(rng, widths=(40,))
+    quantized = ort_nbits(model, 4, 32, False)
+    folded, report = fold_model(quantized, quant_limit=0.01)
+    (decision,) = report.decisions
+    assert decision.action == "skipped" and "above the quant limit 0.01" in decision.reason
+    measured = decision.details["quantized"]["noise_ratio"]
+    assert measured > 0.01 and decision.details["quantized"]["weights"][0]["rel_error"] > 0
+    x = x_feed(rng)
+    np.testing.assert_array_equal(run(folded, {"x": x})[0], run(quantized, {"x": x})[0])
+    _, report = fold_model(quantized, quant_limit=measured * 1.001)
+    assert report.count("folded") == 1
+    assert report.decisions[0].details["quantized"]["noise_ratio"] == pytest.approx(measured)
+
+
+def test_tied_quantized_weight_follows_the_untie_rule(rng):
+    """One MatMulNBits weight read by two projections of different norms: kept without
+    --untie; with it, each consumer gets its own requantized copy."""
+    b = GraphBuilder(21)
+    y1 = axes_input(b, "x", random_gain(rng, HIDDEN), EPS)
+    y2 = axes_input(b, b.op("Relu", ["x"]), random_gain(rng, HIDDEN), EPS)
+    w = b.const((rng.standard_normal((HIDDEN, 40)) / 10).astype(np.float32), "w")
+    outs = [b.op("MatMul", [y1, w]), b.op("MatMul", [y2, w])]
+    model = b.model([helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", "seq", HIDDEN])], outs)
+    from onnxruntime.quantization.matmul_nbits_quantizer import DefaultWeightOnlyQuantConfig, MatMulNBitsQuantizer
+
+    quantizer = MatMulNBitsQuantizer(model, algo_config=DefaultWeightOnlyQuantConfig(block_size=32, is_symmetric=True))
+    quantizer.process()
+    quantized = quantizer.model.model
+    nbits = [n for n in quantized.graph.node if n.op_type == "MatMulNBits"]
+    if len({n.input[1] for n in nbits}) != 1:  # the quantizer made two copies: tie them by hand
+        graph = gs.import_onnx(quantized)
+        first, second = [n for n in graph.nodes if n.op == "MatMulNBits"]
+        second.inputs[1], second.inputs[2] = first.inputs[1], first.inputs[2]
+        quantized = gs.export_onnx(graph.cleanup())
+    _, report = fold_model(quantized, quant_limit=float("inf"))
+    assert report.count("folded") == 0 and all("--untie" in d.reason for d in report.decisions)
+    folded, report = fold_model(quantized, quant_limit=float("inf"), untie=True)
+    assert report.count("folded") == 2
+    assert op_types(folded) == op_types(quantized)
+    x = x_feed(rng)
+    got, want = run(folded, {"x": x}), run(quantized, {"x": x})
+    for a, e, d in zip(got, want, report.decisions):
+        assert relative_rms(a, e.astype(np.float64)) < 3 * d.details["quantized"]["rel_error"] + 1e-4
