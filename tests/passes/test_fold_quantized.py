@@ -500,3 +500,92 @@ def test_tied_quantized_weight_follows_the_untie_rule(rng):
     got, want = run(folded, {"x": x}), run(quantized, {"x": x})
     for a, e, d in zip(got, want, report.decisions):
         assert relative_rms(a, e.astype(np.float64)) < 3 * d.details["quantized"]["rel_error"] + 1e-4
+
+
+# ── whole files: CLI, inspect, defer, external data ────────────────────────────────────────
+
+def _nbits_file(rng, path, bits=4, block=32, symmetric=False):
+    model, gain = _float_model(rng, widths=(40, 24))
+    onnx.save(ort_nbits(model, bits, block, symmetric), str(path))
+    return gain
+
+
+@pytest.mark.parametrize("value", ["-1", "nan", "inf", "abc"])
+def test_bad_quant_limit_is_one_line_exit_2(value, tmp_path, rng, capsys):
+    from flashnorm import cli
+
+    path = tmp_path / "q.onnx"
+    _nbits_file(rng, path)
+    for command in (["optimize", str(path), "-o", str(tmp_path / "out.onnx")], ["inspect", str(path)]):
+        assert cli.main([*command, f"--quant-limit={value}"]) == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and "--quant-limit" in err, err
+    assert not (tmp_path / "out.onnx").exists()
+
+
+def test_optimize_and_inspect_report_the_requantization_error(tmp_path, rng, capsys):
+    import json
+
+    from flashnorm import cli
+
+    path, out, report_path = tmp_path / "q.onnx", tmp_path / "out.onnx", tmp_path / "report.json"
+    _nbits_file(rng, path)
+    original = path.read_bytes()
+    assert cli.main(["inspect", str(path), "--quant-limit", "100"]) == 0
+    text = capsys.readouterr().out
+    assert "requantized: rel error" in text and "MatMulNBits uint4 block 32 asymmetric" in text
+    assert "1 foldable" in text
+    assert cli.main(["inspect", str(path)]) == 0  # the default limit
+    assert "above the quant limit 0.5" in capsys.readouterr().out
+    assert cli.main(["optimize", str(path), "-o", str(out), "--quant-limit", "100", "--report", str(report_path)]) == 0
+    assert "sites folded into quantized weights, 0 exactly; 1 requantized" in capsys.readouterr().out
+    report = json.loads(report_path.read_text())
+    (site,) = report["reports"][0]["sites"]
+    assert site["action"] == "folded" and len(site["details"]["quantized"]["weights"]) == 2
+    assert report["quant_limit"] == 100
+    assert path.read_bytes() == original  # the input is never modified
+    assert op_types(onnx.load(str(out))) == op_types(onnx.load(str(path)))
+
+
+def test_defer_refuses_quantized_consumers_and_says_which(rng, tmp_path):
+    from flashnorm.passes.dry_run import inspect_graph
+
+    model, _ = _float_model(rng, widths=(40,))
+    nbits = ort_nbits(model, 4, 32, True)
+    graph, reports = run_passes(gs.import_onnx(nbits), ["fold", "defer"], quant_limit=float("inf"))
+    assert reports[0].count("folded") == 1
+    (decision,) = reports[1].decisions
+    assert decision.action == "skipped" and "plugin takes float weights" in decision.reason
+    assert "inside the op" in decision.reason
+    dq, _, _ = dq_model(rng, "int8", "per-axis-K", "kn", False)
+    (site,) = inspect_graph(gs.import_onnx(dq))["sites"]
+    assert site["fold"]["applies"] and site["fold"]["quantized"]["exact"]
+    assert not site["defer"]["applies"] and "dequantized in the graph (DequantizeLinear int8" in site["defer"]["reason"]
+
+
+def test_external_data_quantized_model_is_streamed(rng, tmp_path, external_reads):
+    """An external-data MatMulNBits model: planning reads the quantized weights to measure
+    them, the save writes the requantized ones computed once per weight; the input stays."""
+    from flashnorm.passes import optimize_file
+
+    model, gain = _float_model(rng, widths=(40, 24))
+    quantized = ort_nbits(model, 4, 32, False)
+    source, out = tmp_path / "in" / "q.onnx", tmp_path / "q.flashnorm.onnx"
+    source.parent.mkdir()
+    stored = onnx.ModelProto()
+    stored.CopyFrom(quantized)  # onnx.save moves the copy's tensors out to the data file
+    onnx.save(stored, str(source), save_as_external_data=True, location="q.bin", size_threshold=64)
+    before = (source.parent / "q.bin").read_bytes()
+    report = optimize_file(source, out, ("fold",), quant_limit=float("inf"))
+    assert report["summary"]["fold.folded"] == 1
+    assert (source.parent / "q.bin").read_bytes() == before
+    x = x_feed(rng)
+    reference = nbits_reference(quantized, x, gain)
+    details = report["reports"][0]["sites"][0]["details"]["quantized"]["weights"]
+    saved = onnx.load(str(out))
+    for got, want in zip(run(saved, {"x": x}), reference):
+        assert relative_rms(got, want) < 3 * max(d["rel_error"] for d in details) + 1e-5
+    while_saving = [name for name, saving in external_reads if saving]
+    quantized_tensors = [name for n in quantized.graph.node if n.op_type == "MatMulNBits" for name in n.input[1:4]]
+    for name in quantized_tensors:  # B, scales, zero points: read once while saving, requantized together
+        assert while_saving.count(name) == 1, external_reads

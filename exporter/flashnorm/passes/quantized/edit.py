@@ -52,6 +52,17 @@ class QuantEdit:
                 "exact": self.exact, **self.error.to_dict()}
 
 
+class _PartValues(DerivedValues):
+    """One part of a LazyParts: computed from the parts' own reads, never reading `source`
+    (kept for what saving asks of a derived tensor's origin)."""
+
+    def load(self) -> np.ndarray:
+        values = np.asarray(self.function(None))
+        if list(values.shape) != self.shape or values.dtype != self.dtype:
+            raise ValueError(f"derived values are {values.dtype}{list(values.shape)}, declared {self.dtype}{self.shape}")
+        return values
+
+
 class LazyParts:
     """Several tensors computed together (a requantized weight's codes, scales and zero points),
     computed when the first is saved or read and dropped once each has been taken, so a model
@@ -74,5 +85,5 @@ class LazyParts:
 
     def constant(self, name: str, source: gs.Constant, label: str, shape, dtype) -> gs.Constant:
         """A new constant holding part `name` (declared `shape` and `dtype`), derived from `source`."""
-        values = DerivedValues(source, lambda _: self.part(name), shape=tuple(int(d) for d in shape), dtype=dtype)
+        values = _PartValues(source, lambda _: self.part(name), shape=tuple(int(d) for d in shape), dtype=dtype)
         return gs.Constant(label, values)
