@@ -589,3 +589,33 @@ def test_external_data_quantized_model_is_streamed(rng, tmp_path, external_reads
     quantized_tensors = [name for n in quantized.graph.node if n.op_type == "MatMulNBits" for name in n.input[1:4]]
     for name in quantized_tensors:  # B, scales, zero points: read once while saving, requantized together
         assert while_saving.count(name) == 1, external_reads
+
+
+def test_matmulnbits_float16_scales_keep_their_type(rng):
+    """float16 activations and scales (onnxruntime-genai's fp16 int4 route): the requantized
+    scales stay float16, chosen and measured as float16 stores them."""
+    model, gain = _float_model(rng, widths=(40,))
+    graph = gs.import_onnx(ort_nbits(model, 4, 32, False))
+    (node,) = [n for n in graph.nodes if n.op == "MatMulNBits"]
+    node.inputs[2] = gs.Constant("scales16", node.inputs[2].values.astype(np.float16))
+    x16, y16, out = gs.Variable("x16", dtype=np.float16), gs.Variable("y16", dtype=np.float16), node.outputs[0]
+    graph.nodes.append(gs.Node("Cast", inputs=[node.inputs[0]], outputs=[x16], attrs={"to": TensorProto.FLOAT16}))
+    graph.nodes.append(gs.Node("Cast", inputs=[y16], outputs=[out], attrs={"to": TensorProto.FLOAT}))
+    node.inputs[0], node.outputs = x16, [y16]
+    quantized = gs.export_onnx(graph.toposort())
+    folded, report = fold_model(quantized, quant_limit=float("inf"))
+    assert report.count("folded") == 1, report.to_dict()
+    (weight,) = report.decisions[0].details["quantized"]["weights"]
+    assert "float16 scales" in weight["format"]
+    saved = graph_weights(folded)
+    (after,) = [n for n in folded.graph.node if n.op_type == "MatMulNBits"]
+    assert saved[after.input[2]].dtype == np.float16
+    x = x_feed(rng)
+    want = norm64(x, gain) @ nbits_weight(*[graph_weights(quantized)[n] for n in node_inputs(quantized)], 4, HIDDEN, 32)
+    (got,) = run(folded, {"x": x})
+    assert relative_rms(got, want) < 3 * weight["rel_error"] + 2e-3  # fp16 activations
+
+
+def node_inputs(model):
+    (node,) = [n for n in model.graph.node if n.op_type == "MatMulNBits"]
+    return node.input[1:4]
