@@ -27,8 +27,15 @@ The error metric (`QuantError`), per weight:
   own noise. 0 for an exact fold; 1 means the fold adds as much error as quantizing did
   (the output's noise against the float model grows by about √2).
 
+Exact folds (a prescale Mul, scales per input channel) report `noise_ratio` 0 and, as
+`rel_error`, what rounding the new scales to their stored type did.
+
 The scales' dtype is kept (float32, float16, bfloat16), and every error is computed with the
 scale as stored.
+
+Cost: about 0.5 µs per weight element on one CPU core (a 4096×4096 int4 weight in 7–13 s),
+paid twice, when planning (to measure) and when saving (to write, so that no requantized
+weight waits in memory for the save).
 """
 
 from __future__ import annotations
