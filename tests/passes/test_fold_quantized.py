@@ -619,3 +619,27 @@ def test_matmulnbits_float16_scales_keep_their_type(rng):
 def node_inputs(model):
     (node,) = [n for n in model.graph.node if n.op_type == "MatMulNBits"]
     return node.input[1:4]
+
+
+@pytest.mark.parametrize("external", [False, True])
+@pytest.mark.parametrize("code,layout,asymmetric", [("int4", "blocked-K32", False), ("uint4", "blocked-K32", True),
+                                                    ("float8e4m3fn", "per-axis-N", False),
+                                                    ("int4", "per-axis-K", False)])
+def test_saved_file_holds_the_requantized_codes(code, layout, asymmetric, external, rng, tmp_path):
+    """Through optimize_file (modelio.save, inline or with external data): sub-byte codes are
+    written packed, fp8 as bytes; ONNX Runtime loads the file and agrees with the report."""
+    from flashnorm.passes import optimize_file
+
+    model, gain, weight = dq_model(rng, code, layout, "kn", asymmetric, width=48)
+    source, out = tmp_path / "q.onnx", tmp_path / "q.flashnorm.onnx"
+    onnx.save(model, str(source), save_as_external_data=external, location="q.bin", size_threshold=16)
+    report = optimize_file(source, out, ("fold",), quant_limit=float("inf"), external_data=external)
+    (site,) = report["reports"][0]["sites"]
+    assert site["action"] == "folded", site
+    (details,) = site["details"]["quantized"]["weights"]
+    x = x_feed(rng)
+    saved = onnx.load(str(out))
+    assert op_types(saved) == op_types(model)
+    (got,) = run(saved, {"x": x})
+    error = relative_rms(got, norm64(x, gain) @ weight)
+    assert error < (1e-5 if details["exact"] else 3 * details["rel_error"] + 1e-5), (error, details)
