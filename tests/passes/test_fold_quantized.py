@@ -536,7 +536,7 @@ def test_optimize_and_inspect_report_the_requantization_error(tmp_path, rng, cap
     assert "requantized: rel error" in text and "MatMulNBits uint4 block 32 asymmetric" in text
     assert "1 foldable" in text
     assert cli.main(["inspect", str(path)]) == 0  # the default limit
-    assert "above the quant limit 0.5" in capsys.readouterr().out
+    assert "above the quant limit 0.25" in capsys.readouterr().out
     assert cli.main(["optimize", str(path), "-o", str(out), "--quant-limit", "100", "--report", str(report_path)]) == 0
     assert "sites folded into quantized weights, 0 exactly; 1 requantized" in capsys.readouterr().out
     report = json.loads(report_path.read_text())

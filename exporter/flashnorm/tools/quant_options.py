@@ -18,7 +18,7 @@ def add_quant_limit_option(parser: argparse.ArgumentParser) -> None:
         "--quant-limit", metavar="RATIO", default=None,
         help="quantized weights: fold a site that must be requantized only if the error it adds is at most RATIO "
              "times the format's own quantization noise (finite, >= 0; default "
-             f"{DEFAULT_QUANT_LIMIT:g}: at most 1.25x the noise power; 0 takes exact folds only). Every site's "
+             f"{DEFAULT_QUANT_LIMIT:g}: at most 1.06x the noise power; 0 takes exact folds only). Every site's "
              "measured error is in the report")
 
 
