@@ -386,8 +386,8 @@ def _plan_fake(node, activation, gain, where, chain, quantize, scale, zero, grou
         raise NotQuantFoldable(f"{where}: {exc}") from None
     exact = groups.one_channel(gain_axis)
     error = error_from_sums(squared_error, squared_norm, own_variance)
-    if exact:
-        error = dataclasses.replace(error, noise_ratio=0.0 if error.rel_error < 1e-6 else error.noise_ratio)
+    # Scales per input channel: amax(|g·W|) = |g|·amax(|W|), the same codes up to ties and
+    # saturation at the negative end, whose measured (tiny) error is reported as it is.
     shared = _shared([quantize, *chain], node, [source, scale, q_scale])
     fold_chain = [quantize, *chain]
 

@@ -4,7 +4,8 @@
 Layout (ONNX Runtime contrib ops): B uint8 [N, n_blocks, blob_size], each block's `block_size`
 codes packed low bits first (`bits` 2, 4 or 8), K padded to a whole block; scales [N·n_blocks]
 or [N, n_blocks] in A's float type; zero_points optional, packed uint8 [N, ceil(n_blocks·bits/8)]
-(flat or 2-D), absent meaning 2^(bits−1); g_idx (input 4) reorders K (act-order); bias
+(flat or 2-D), or of the scales' type [N·n_blocks] (w = (q − zp)·s, zp not rounded), absent
+meaning 2^(bits−1); g_idx (input 4) reorders K (act-order); bias
 (input 5) is added after and does not see the gain.
 
 A block spans block_size (≥ 16) input channels whose gains differ, so the fold is never exact
@@ -80,11 +81,15 @@ class _Layout:
         if int(np.prod(self.scales.shape)) != self.n * self.blocks or len(self.scales.shape) > 2:
             raise NotQuantFoldable(f"{where}: scales shape {list(self.scales.shape)} does not match N={self.n} × "
                                    f"{self.blocks} blocks of {self.block}")
+        self.float_zero = False
         if self.zero_points is not None:
             zp_type = stored_dtype_name(self.zero_points)
             if zp_type == stored_dtype_name(self.scales):
-                raise NotQuantFoldable(f"{where}: zero points stored as {zp_type} (the scales' type) are not folded "
-                                       "(packed uint8 zero points are)")
+                self.float_zero = True
+                if int(np.prod(self.zero_points.shape)) != self.n * self.blocks or len(self.zero_points.shape) > 2:
+                    raise NotQuantFoldable(f"{where}: zero_points shape {list(self.zero_points.shape)} does not match "
+                                           f"N={self.n} × {self.blocks} blocks")
+                return
             if zp_type != "uint8":
                 raise NotQuantFoldable(f"{where}: zero points of type {zp_type}, neither packed uint8 nor the scales' "
                                        f"type {stored_dtype_name(self.scales)}")
@@ -96,6 +101,8 @@ class _Layout:
     @property
     def format(self) -> str:
         zero = "asymmetric" if self.zero_points is not None else "symmetric"
+        if self.float_zero:
+            zero += " (float zero points)"
         return f"MatMulNBits uint{self.bits} block {self.block} {zero}, {stored_dtype_name(self.scales)} scales"
 
     def dequantized(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -104,6 +111,8 @@ class _Layout:
         scales = constant_array(self.scales).astype(np.float64).reshape(self.n, self.blocks)
         if self.zero_points is None:
             zeros = np.full((self.n, self.blocks), float(1 << (self.bits - 1)))
+        elif self.float_zero:
+            zeros = constant_array(self.zero_points).astype(np.float64).reshape(self.n, self.blocks)
         else:
             packed = constant_array(self.zero_points).reshape(self.n, self.zp_width)
             zeros = _unpack(packed, self.bits, self.blocks).astype(np.float64)
@@ -119,11 +128,14 @@ class _Layout:
         own_variance = float(((scales ** 2) * (padded ** 2).sum(axis=1)).sum() / 12)
         grid = Grid.integer(self.bits, signed=False)
         result = requantize(target.reshape(-1, self.block), grid, self.scale_dtype,
-                            free_zero_point=self.zero_points is not None, fixed_zero=1 << (self.bits - 1))
+                            free_zero_point=self.zero_points is not None, fixed_zero=1 << (self.bits - 1),
+                            zero_dtype=self.scale_dtype if self.float_zero else None)
         codes = result.codes.reshape(self.n, self.blocks, self.block).astype(np.uint8)
         parts = {"B": _pack(codes, self.bits, self.blob),
                  "scales": result.scale.astype(self.scale_dtype).reshape(self.scales.shape)}
-        if self.zero_points is not None:
+        if self.float_zero:
+            parts["zero_points"] = result.zero_point.astype(self.scale_dtype).reshape(self.zero_points.shape)
+        elif self.zero_points is not None:
             zeros = result.zero_point.reshape(self.n, self.blocks)
             parts["zero_points"] = _pack(zeros, self.bits, self.zp_width).reshape(self.zero_points.shape)
         return parts, float(result.squared_error.sum()), float((target ** 2).sum()), own_variance, result.ratio
@@ -152,7 +164,8 @@ def plan(node: gs.Node, activation: gs.Tensor, gain: np.ndarray, where: str) -> 
         if layout.zero_points is not None:
             node.inputs[3] = parts.constant("zero_points", layout.zero_points,
                                             f"{layout.zero_points.name}.folded_for.{activation.name}",
-                                            layout.zero_points.shape, np.uint8)
+                                            layout.zero_points.shape,
+                                            layout.scale_dtype if layout.float_zero else np.uint8)
         return []
 
     error = error_from_sums(squared_error, squared_norm, own_variance, ratio)

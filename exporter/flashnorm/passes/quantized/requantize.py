@@ -85,7 +85,7 @@ class Requantized:
     """[G] float64 values the scale dtype holds exactly (what the file will store)."""
 
     zero_point: Optional[np.ndarray]
-    """[G] int64 when the format stores zero points; None otherwise."""
+    """[G] int64 when the format stores zero points (float64 for float zero points); None otherwise."""
 
     squared_error: np.ndarray
     ratio: np.ndarray
@@ -111,7 +111,7 @@ def fp8_ulp(codes: np.ndarray) -> np.ndarray:
 
 
 def _candidates(target: np.ndarray, grid: Grid, free_zero_point: bool, fixed_zero: int, ratio: float,
-                scale_dtype: np.dtype) -> list[tuple[np.ndarray, Optional[np.ndarray]]]:
+                scale_dtype: np.dtype, zero_dtype: Optional[np.dtype] = None) -> list[tuple[np.ndarray, Optional[np.ndarray]]]:
     """(scale [G] as stored, zero point [G] or None) candidates for one clipping ratio."""
     hi = np.maximum(target.max(axis=1), 0.0) * ratio
     lo = np.minimum(target.min(axis=1), 0.0) * ratio
@@ -120,8 +120,10 @@ def _candidates(target: np.ndarray, grid: Grid, free_zero_point: bool, fixed_zer
     if free_zero_point:
         scale = _cast((hi - lo) / (grid.qmax - grid.qmin), scale_dtype)
         with np.errstate(divide="ignore", invalid="ignore"):
-            zero = np.clip(np.round(grid.qmin - lo / scale), grid.qmin, grid.qmax)
-        return [(scale, np.where(np.isfinite(zero), zero, fixed_zero).astype(np.int64))]
+            exact_zero = grid.qmin - lo / scale
+            zero = np.clip(exact_zero if zero_dtype is not None else np.round(exact_zero), grid.qmin, grid.qmax)
+        zero = np.where(np.isfinite(zero), zero, fixed_zero)
+        return [(scale, _cast(zero, zero_dtype) if zero_dtype is not None else zero)]
     # Fixed zero point: codes c = q − z in [cmin, cmax]; a positive scale maps the largest
     # value to cmax (or the smallest to cmin), a negative one maps them the other way round
     # (MatMulNBits' symmetric quantizer writes negative scales: the extreme lands on −8).
@@ -141,21 +143,23 @@ def _quantize(target: np.ndarray, grid: Grid, scale: np.ndarray, zero: np.ndarra
     if grid.fp8:
         codes = fp8_round(target / safe)
         return codes, codes * safe
-    codes = np.clip(np.round(target / safe) + zero[:, None], grid.qmin, grid.qmax)
+    codes = np.clip(np.round(target / safe + zero[:, None]), grid.qmin, grid.qmax)
     return codes, (codes - zero[:, None]) * safe
 
 
 def requantize(target: np.ndarray, grid: Grid, scale_dtype: np.dtype, *, free_zero_point: bool = False,
-               fixed_zero: int = 0, ratios: tuple[float, ...] = CLIP_RATIOS) -> Requantized:
+               fixed_zero: int = 0, zero_dtype: Optional[np.dtype] = None,
+               ratios: tuple[float, ...] = CLIP_RATIOS) -> Requantized:
     """Quantize `target` [G, L] (float64) per group on `grid`, scales stored in `scale_dtype`,
     choosing per group the clipping ratio of least squared error. `free_zero_point`: the
     format stores an integer zero point per group (recomputed); otherwise every group's zero
-    point is `fixed_zero`. RequantizeError where no candidate gives a finite scale the dtype
+    point is `fixed_zero`. `zero_dtype`: the zero points are stored as floats of that type (not
+    rounded to a code; MatMulNBits' zero points of the scales' type). RequantizeError where no candidate gives a finite scale the dtype
     holds (a folded block beyond the scale type's range)."""
     groups, length = target.shape
     codes = np.empty((groups, length), dtype=np.float64)
     best_scale = np.zeros(groups)
-    best_zero = np.full(groups, fixed_zero, dtype=np.int64)
+    best_zero = np.full(groups, float(fixed_zero))
     best_error = np.full(groups, np.inf)
     best_ratio = np.ones(groups)
     step = max(1, _CHUNK_ELEMENTS // max(length, 1))
@@ -163,8 +167,8 @@ def requantize(target: np.ndarray, grid: Grid, scale_dtype: np.dtype, *, free_ze
         part = slice(start, start + step)
         block = target[part]
         for ratio in ratios:
-            for scale, zero in _candidates(block, grid, free_zero_point, fixed_zero, ratio, scale_dtype):
-                zero = np.full(len(scale), fixed_zero, dtype=np.int64) if zero is None else zero
+            for scale, zero in _candidates(block, grid, free_zero_point, fixed_zero, ratio, scale_dtype, zero_dtype):
+                zero = np.full(len(scale), float(fixed_zero)) if zero is None else zero
                 valid = np.isfinite(scale) & ((scale != 0) | (np.abs(block).max(axis=1) == 0))
                 candidate, values = _quantize(block, grid, scale, zero)
                 error = np.where(valid, ((values - block) ** 2).sum(axis=1), np.inf)
@@ -183,7 +187,10 @@ def requantize(target: np.ndarray, grid: Grid, scale_dtype: np.dtype, *, free_ze
     best_scale = np.where(best_scale == 0, _cast(np.ones(1), scale_dtype), best_scale)
     if not grid.fp8:
         codes = codes.astype(np.int64)
-    return Requantized(codes, best_scale, best_zero if free_zero_point else None, best_error, best_ratio)
+    zero_point = None
+    if free_zero_point:
+        zero_point = best_zero if zero_dtype is not None else best_zero.astype(np.int64)
+    return Requantized(codes, best_scale, zero_point, best_error, best_ratio)
 
 
 @dataclasses.dataclass(frozen=True)
