@@ -88,8 +88,11 @@ def _stream(constant: gs.Constant) -> _Stream | None:
             data_type = dtype_to_onnx(values.dtype)
         except Exception:  # a NumPy dtype ONNX has no name for: let the exporter decide
             return None
-        return _Stream(constant, _header(constant.name, values.shape, data_type), values.nbytes,
-                       buffer=lambda: _array_buffer(values.load())())
+        header = _header(constant.name, values.shape, data_type)
+        if data_type in PACKED_BITS:  # int4/uint4 (a requantized weight): ONNX packs two codes a byte
+            return _Stream(constant, header, tensor_nbytes(data_type, values.shape),
+                           buffer=lambda: onnx.numpy_helper.from_array(values.load()).raw_data)
+        return _Stream(constant, header, values.nbytes, buffer=lambda: _array_buffer(values.load())())
     if isinstance(values, SparseValues):
         return None
     if isinstance(values, LazyValues):

@@ -81,6 +81,12 @@ def _constant_matrix(use: LinearUse, where: str) -> tuple[gs.Constant, bool]:
     if isinstance(tensor, gs.Constant):
         constant = tensor
     else:
+        dequantized = _dequantized_by(tensor)
+        if dequantized is not None:
+            raise NotDeferrable(
+                f"{where}: weight {tensor.name!r} is dequantized in the graph ({dequantized}); the plugin takes "
+                "float weights as an initializer: deferring would replace the quantized weight by its float copy "
+                "(not done)")
         value = constant_value(tensor)
         if value is None:
             raise NotDeferrable(f"{where}: weight {tensor.name!r} is not a constant")
@@ -94,8 +100,33 @@ def _constant_matrix(use: LinearUse, where: str) -> tuple[gs.Constant, bool]:
     return constant, transposed
 
 
+# Ops that multiply by a weight they dequantize themselves.
+_QUANTIZED_PROJECTIONS = frozenset({"MatMulNBits", "MatMulInteger", "QLinearMatMul", "MatMulIntegerToFloat",
+                                    "DynamicQuantizeMatMul", "MatMulBnb4", "QGemm"})
+
+
+def _dequantized_by(tensor: gs.Tensor) -> Optional[str]:
+    """'DequantizeLinear int4 → float16' when a DequantizeLinear (then Cast/Identity) writes
+    `tensor`; None otherwise."""
+    chain, source = [], tensor
+    for _ in range(4):
+        node = producer(source)
+        if node is None:
+            return None
+        if node.op == "DequantizeLinear":
+            codes = stored_dtype_name(node.inputs[0]) or "codes"
+            return f"DequantizeLinear {codes} → {stored_dtype_name(tensor) or 'float'}"
+        if node.op not in ("Cast", "Identity"):
+            return None
+        source = node.inputs[0]
+    return None
+
+
 def _projection(site: NormSite, node: gs.Node, dtype: str) -> Projection:
     where = f"consumer {node.op} {node.name!r}"
+    if node.op in _QUANTIZED_PROJECTIONS:
+        raise NotDeferrable(f"{where} dequantizes its weight inside the op; the plugin takes float weights "
+                            "(fold applies, defer does not)")
     use = linear_use(node, site.output, where, NotDeferrable)
     if use is None:
         raise NotDeferrable(f"{where} is not a projection (MatMul or Gemm with a constant weight)")

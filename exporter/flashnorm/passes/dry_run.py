@@ -13,30 +13,37 @@ from flashnorm.match import NormSite, find_norm_candidates, find_norm_sites
 from flashnorm.match.shapes import inferred_shapes
 from flashnorm.passes.cancel import NotCancellable, plan_cancel
 from flashnorm.passes.fold import NotFoldable, fold, plan_fold, site_rounding
+from flashnorm.passes.quantized import DEFAULT_QUANT_LIMIT, site_quant_error
 from flashnorm.progress import Progress
 
 
-def inspect_graph(graph: gs.Graph, *, untie: bool = False) -> dict[str, Any]:
-    """The inspect report for an already loaded graph (changes nothing)."""
+def inspect_graph(graph: gs.Graph, *, untie: bool = False, quant_limit: float | None = None) -> dict[str, Any]:
+    """The inspect report for an already loaded graph (changes nothing). `quant_limit`: as
+    `optimize --quant-limit` (None: the default); quantized sites report their measured error."""
+    limit = DEFAULT_QUANT_LIMIT if quant_limit is None else quant_limit
     with inferred_shapes(graph, keep_types=False):
-        return _inspect(graph, untie)
+        report = _inspect(graph, untie, limit)
+    return {**report, "quant_limit": limit}
 
 
-def _inspect(graph: gs.Graph, untie: bool) -> dict[str, Any]:
-    deferrable = _defer_after_fold(graph, untie)
+def _inspect(graph: gs.Graph, untie: bool, quant_limit: float) -> dict[str, Any]:
+    deferrable = _defer_after_fold(graph, untie, quant_limit)
     found = find_norm_candidates(graph)
     graph_outputs = frozenset(t.name for t in graph.outputs)
     sites = []
     for site in found.sites:
         try:
-            edits = plan_fold(site, graph_outputs, untie=untie)
+            edits = plan_fold(site, graph_outputs, untie=untie, quant_limit=quant_limit)
             fold = {"applies": True, "reason": "",
                     "untied": [e.weight.name for e in edits if e.shared_with]}
             rounding = site_rounding(edits)
             if rounding:
                 fold["rounding"] = rounding
+            quantized = site_quant_error(edits)
+            if quantized:
+                fold["quantized"] = quantized
         except NotFoldable as exc:
-            fold = {"applies": False, "reason": str(exc)}
+            fold = {"applies": False, "reason": str(exc), **exc.details}
         try:
             plan = plan_cancel(site, found.sites, graph_outputs)
             cancel = {"applies": True, "reason": "", "downstream": [d.name for d in plan.downstream]}
@@ -68,14 +75,14 @@ def _inspect(graph: gs.Graph, untie: bool) -> dict[str, Any]:
     }
 
 
-def _defer_after_fold(graph: gs.Graph, untie: bool) -> dict[str, dict[str, Any]]:
+def _defer_after_fold(graph: gs.Graph, untie: bool, quant_limit: float) -> dict[str, dict[str, Any]]:
     """Whether `optimize --passes fold,defer` would defer each site: defer needs a weightless
     norm, so it is judged on a folded copy (site names are output names, which fold keeps)."""
     from flashnorm.passes.defer import NotDeferrable, plan_defer
 
     shown, Progress.enabled = Progress.enabled, False  # a rehearsal, not a fold the user asked for
     try:
-        folded, _ = fold(graph.copy(), untie=untie)
+        folded, _ = fold(graph.copy(), untie=untie, quant_limit=quant_limit)
     finally:
         Progress.enabled = shown
     graph_outputs = frozenset(t.name for t in folded.outputs)

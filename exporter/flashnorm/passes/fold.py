@@ -41,6 +41,7 @@ from flashnorm.match.queries import (
     stored_initializer,
 )
 from flashnorm.match.gain import gain_slot_shape
+from flashnorm.passes.quantized import DEFAULT_QUANT_LIMIT, NotQuantFoldable, QuantEdit, plan_quantized, site_quant_error
 from flashnorm.progress import track
 from flashnorm.report import PassReport
 
@@ -143,11 +144,17 @@ def site_rounding(edits: list[WeightEdit]) -> Optional[dict[str, float]]:
 
 
 class NotFoldable(Exception):
-    """Why a site's gain cannot be folded (one line)."""
+    """Why a site's gain cannot be folded (one line); `details` (measured errors) go in the report."""
+
+    def __init__(self, message: str, **details) -> None:
+        super().__init__(message)
+        self.details = details
 
 
-def plan_fold(site: NormSite, graph_outputs: frozenset[str], *, untie: bool = False) -> list[WeightEdit]:
-    """The weight edits that fold `site`, or NotFoldable with the reason. Mutates nothing."""
+def plan_fold(site: NormSite, graph_outputs: frozenset[str], *, untie: bool = False,
+              quant_limit: float = DEFAULT_QUANT_LIMIT) -> list[WeightEdit | QuantEdit]:
+    """The weight edits that fold `site`, or NotFoldable with the reason. Mutates nothing
+    (quantized weights are read to measure their requantization error)."""
     if site.gain is None or site.gain_node is None:
         raise NotFoldable("already weightless (the norm has no gain)")
     if site.is_weightless:
@@ -168,12 +175,26 @@ def plan_fold(site: NormSite, graph_outputs: frozenset[str], *, untie: bool = Fa
             f"{', '.join(e.shared_with)} (tied); kept the gain (use --untie to copy and fold)"
         )
     for edit in edits:
-        _measure(site, edit)
+        if isinstance(edit, WeightEdit):
+            _measure(site, edit)
+    quantized = site_quant_error(edits)
+    if quantized and quantized["noise_ratio"] > quant_limit:
+        worst = max((e for e in edits if isinstance(e, QuantEdit)), key=lambda e: e.error.noise_ratio)
+        raise NotFoldable(
+            f"consumer {worst.node.op} {worst.node.name!r} ({worst.format}): requantizing adds "
+            f"{worst.error.noise_ratio:.3g}× the format's own noise (rel error {worst.error.rel_error:.3g}), "
+            f"above the quant limit {quant_limit:g}; kept the gain", quantized=quantized)
     return edits
 
 
-def _weight_edit(site: NormSite, node: gs.Node) -> WeightEdit:
+def _weight_edit(site: NormSite, node: gs.Node) -> WeightEdit | QuantEdit:
     where = f"consumer {node.op} {node.name!r}"
+    try:
+        quantized = plan_quantized(node, site.output, site.gain, where)
+    except NotQuantFoldable as exc:
+        raise NotFoldable(str(exc), **exc.details) from None
+    if quantized is not None:
+        return quantized
     if node.op in _QUANTIZED_OPS:
         raise NotFoldable(f"{where} has a quantized weight (fold needs dequantize → fold → requantize)")
     use = linear_use(node, site.output, where, NotFoldable)
@@ -245,6 +266,9 @@ def apply_fold(site: NormSite, edits: list[WeightEdit]) -> list[gs.Node]:
     ones. Returns the nodes the caller must add to the graph (a Transpose of an untied copy)."""
     new_nodes = []
     for edit in edits:
+        if isinstance(edit, QuantEdit):
+            new_nodes += edit.apply(np.asarray(site.gain, dtype=np.float64).reshape(-1))
+            continue
         shape = [1, 1]
         shape[edit.gain_axis] = site.gain.size
         gain = np.asarray(site.gain, dtype=np.float64).reshape(shape)
@@ -264,22 +288,23 @@ def apply_fold(site: NormSite, edits: list[WeightEdit]) -> list[gs.Node]:
     return new_nodes
 
 
-def fold(graph: gs.Graph, *, untie: bool = False) -> tuple[gs.Graph, PassReport]:
-    """Fold every foldable site's gain into its consumers' weights."""
+def fold(graph: gs.Graph, *, untie: bool = False, quant_limit: float = DEFAULT_QUANT_LIMIT) -> tuple[gs.Graph, PassReport]:
+    """Fold every foldable site's gain into its consumers' weights (quantized ones within `quant_limit`)."""
     report = PassReport("fold")
     graph_outputs = frozenset(t.name for t in graph.outputs)
     sites = find_norm_sites(graph)
     for site in track(sites, "fold: sites checked", total=len(sites)):
         try:
-            edits = plan_fold(site, graph_outputs, untie=untie)
+            edits = plan_fold(site, graph_outputs, untie=untie, quant_limit=quant_limit)
         except NotFoldable as exc:
-            report.add(site.name, "skipped", str(exc))
+            report.add(site.name, "skipped", str(exc), **exc.details)
             continue
         graph.nodes.extend(apply_fold(site, edits))
         untied = [e.weight.name for e in edits if e.shared_with]
         rounding = site_rounding(edits)
+        quantized = site_quant_error(edits)
         report.add(site.name, "folded", "", spelling=site.spelling, gain_convention=site.gain_convention,
                    consumers=[f"{e.node.op} {e.node.name}" for e in edits], untied=untied,
-                   **({"rounding": rounding} if rounding else {}))
+                   **({"rounding": rounding} if rounding else {}), **({"quantized": quantized} if quantized else {}))
     graph.cleanup().toposort()
     return graph, report

@@ -10,13 +10,14 @@ from flashnorm.errors import FlashNormError
 from flashnorm.passes.dry_run import inspect_graph
 from flashnorm.paths import Input, Output
 from flashnorm.report import grouped_reasons
-from flashnorm.tools.options import onnx_inputs
+from flashnorm.tools.options import add_quant_limit_option, onnx_inputs
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model", help="ONNX model to inspect")
     parser.add_argument("--untie", action="store_true",
                         help="judge fold as `optimize --untie` would (copy tied weights)")
+    add_quant_limit_option(parser)
 
 
 def paths(args: argparse.Namespace) -> tuple[list[Input], list[Output]]:
@@ -51,11 +52,26 @@ def format_text(report: dict[str, Any], verbose: bool = False) -> str:
                              f"largest |g·W| {rounding['largest_folded_value']:.3g}, weights change by "
                              f"{rounding['estimated_output_rel_l2']:.2g} (rel L2), at most {rounding['max_relative_change']:.2g} "
                              "per element")
+        lines += _quantized_lines(report)
         lines.append(f"{report['norm_sites']} sites, {report['foldable']} foldable, {report['cancellable']} cancellable, "
                      f"{report['deferrable']} deferrable after fold, {report['weightless']} already weightless")
     for r in report["rejected"]:
         lines.append(f"rejected {r['spelling']} at {r['name']}: {r['reason']}")
     return "\n".join(lines)
+
+
+def _quantized_lines(report: dict[str, Any]) -> list[str]:
+    """Per site with quantized consumers: each weight's format, exact or requantized, its error."""
+    lines = []
+    for i, s in enumerate(report["sites"]):
+        quantized = s["fold"].get("quantized")
+        if not quantized:
+            continue
+        for w in quantized["weights"]:
+            how = "exact" if w["exact"] else (f"requantized: rel error {w['rel_error']:.3g}, {w['noise_ratio']:.3g}x "
+                                              f"the format's own noise (limit {report.get('quant_limit', 0):g})")
+            lines.append(f"#{i} fold into {w['consumer']} ({w['format']}): {how}")
+    return lines
 
 
 def _reasons(sites: list[dict[str, Any]], verbose: bool) -> list[str]:
@@ -84,4 +100,4 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     legacy = contract.legacy_encoding(((node.op, node.domain) for node in graph.nodes), ())
     if legacy:
         raise FlashNormError(f"{args.model}: {legacy}")
-    return {"model": str(args.model), **inspect_graph(graph, untie=args.untie)}
+    return {"model": str(args.model), **inspect_graph(graph, untie=args.untie, quant_limit=args.quant_limit)}

@@ -9,7 +9,7 @@ from typing import Any
 from flashnorm.passes import DEFAULT_PASSES, PASSES, optimize_file
 from flashnorm.paths import Input, Output
 from flashnorm.report import grouped_reasons
-from flashnorm.tools.options import onnx_inputs, onnx_outputs
+from flashnorm.tools.options import add_quant_limit_option, onnx_inputs, onnx_outputs
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -22,6 +22,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="fold into a private copy of a weight shared with other nodes (tied LM head)")
     parser.add_argument("--external-data", action=argparse.BooleanOptionalAction, default=None,
                         help="store weights in OUT.onnx.data (default: as the input did, or when over ~1.8 GB)")
+    add_quant_limit_option(parser)
 
 
 def paths(args: argparse.Namespace) -> tuple[list[Input], list[Output]]:
@@ -29,7 +30,8 @@ def paths(args: argparse.Namespace) -> tuple[list[Input], list[Output]]:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    return optimize_file(args.model, args.output, args.passes, args.untie, external_data=args.external_data)
+    return optimize_file(args.model, args.output, args.passes, args.untie, external_data=args.external_data,
+                         quant_limit=args.quant_limit)
 
 
 def format_text(report: dict[str, Any], verbose: bool = False) -> str:
@@ -45,6 +47,7 @@ def format_text(report: dict[str, Any], verbose: bool = False) -> str:
                          f"{max(r['estimated_output_rel_l2'] for r in rounded):.2g} rel L2 per site (the estimated "
                          f"change of its projections' outputs), {max(r['max_relative_change'] for r in rounded):.2g} "
                          "per element (subnormal results included)")
+        lines += _quantized_lines(pass_report["sites"])
         explained = [site for site in pass_report["sites"] if site["reason"]]
         if verbose:
             lines += [f"    {site['site']}: {site['action']}: {site['reason']}" for site in explained]
@@ -55,3 +58,18 @@ def format_text(report: dict[str, Any], verbose: bool = False) -> str:
                 where = sites[0] if len(sites) == 1 else f"{len(sites)} sites, e.g. {sites[0]}"
                 lines.append(f"    {action} ({where}): {reason}")
     return "\n".join(lines)
+
+
+def _quantized_lines(sites: list[dict[str, Any]]) -> list[str]:
+    """One line for the sites folded into quantized weights: how many exactly, and the largest
+    requantization error of the others."""
+    folded = [s["details"]["quantized"] for s in sites if s["action"] == "folded" and s.get("details", {}).get("quantized")]
+    if not folded:
+        return []
+    exact = sum(q["exact"] for q in folded)
+    line = f"    {len(folded)} sites folded into quantized weights, {exact} exactly"
+    requantized = [q for q in folded if not q["exact"]]
+    if requantized:
+        line += (f"; {len(requantized)} requantized: at most {max(q['rel_error'] for q in requantized):.2g} rel error, "
+                 f"{max(q['noise_ratio'] for q in requantized):.2g}x the format's own noise")
+    return [line]

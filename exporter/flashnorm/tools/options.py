@@ -230,3 +230,16 @@ def dtype_option(spelling: str, allow_auto: bool = False):
 
 
 DTYPE_CHOICES = "fp32|float32, fp16|float16, bf16|bfloat16"
+
+
+def add_quant_limit_option(parser: argparse.ArgumentParser) -> None:
+    """--quant-limit RATIO (optimize, inspect): the largest requantization error a folded
+    quantized site may have."""
+    from flashnorm.passes.quantized import DEFAULT_QUANT_LIMIT
+
+    parser.add_argument(
+        "--quant-limit", metavar="RATIO", type=at_least(0.0, float), default=None,
+        help="quantized weights: fold a site that must be requantized only if the error it adds is at most RATIO "
+             "times the format's own quantization noise (finite, >= 0; default "
+             f"{DEFAULT_QUANT_LIMIT:g}: at most 1.06x the noise power; 0 takes exact folds only). Every site's "
+             "measured error is in the report")
