@@ -108,7 +108,7 @@ _QUANTIZED_PROJECTIONS = frozenset({"MatMulNBits", "MatMulInteger", "QLinearMatM
 def _dequantized_by(tensor: gs.Tensor) -> Optional[str]:
     """'DequantizeLinear int4 → float16' when a DequantizeLinear (then Cast/Identity) writes
     `tensor`; None otherwise."""
-    chain, source = [], tensor
+    source = tensor
     for _ in range(4):
         node = producer(source)
         if node is None:
