@@ -19,7 +19,7 @@ from flashnorm.report import PassReport
 # `run_passes` options that function takes). Imported on first use, so a missing or broken pass
 # does not break the others.
 PASSES: dict[str, tuple[str, tuple[str, ...]]] = {
-    "fold": ("fold", ("untie",)),
+    "fold": ("fold", ("untie", "for_quantization")),
     "cancel": ("cancel", ()),
     "defer": ("defer", ()),
 }
@@ -55,13 +55,19 @@ def parse_pass_names(names: str | Sequence[str]) -> list[str]:
     return list(names)
 
 
-def run_passes(graph: gs.Graph, names: Sequence[str], *, untie: bool = False) -> tuple[gs.Graph, list[PassReport]]:
+def run_passes(graph: gs.Graph, names: Sequence[str], *, untie: bool = False,
+               for_quantization: Optional[str] = None) -> tuple[gs.Graph, list[PassReport]]:
     """Apply the named passes in order, each with the options it takes (`untie`: fold).
     Missing element types (the legacy torch exporter writes none) are inferred first: passes
     that build new nodes need them."""
     from flashnorm.match.shapes import annotate_types
 
-    options = {"untie": untie}
+    if for_quantization is not None:
+        from flashnorm.passes.quantization_aware import FORMATS
+
+        if for_quantization not in FORMATS:
+            raise FlashNormError(f"unknown quantization format {for_quantization!r}; choose from {', '.join(FORMATS)}")
+    options = {"untie": untie, "for_quantization": for_quantization}
     passes = [(get_pass(name), PASSES[name][1]) for name in parse_pass_names(names)]
     annotate_types(graph)
     reports = []
@@ -92,6 +98,7 @@ def optimize_file(
     untie: bool = False,
     *,
     external_data: Optional[bool] = None,
+    for_quantization: Optional[str] = None,
 ) -> dict[str, Any]:
     """Load `in_path`, run `passes`, save to `out_path` (atomically; the input is never
     written). Raises FlashNormError for bad input: unknown pass, unreadable or invalid
@@ -110,7 +117,7 @@ def optimize_file(
     if not found.sites:
         why = f" ({len(found.rejected)} near-misses: {found.rejected[0].reason})" if found.rejected else ""
         raise FlashNormError(f"no RMSNorm found in {source}{why}")
-    graph, reports = run_passes(graph, names, untie=untie)
+    graph, reports = run_passes(graph, names, untie=untie, for_quantization=for_quantization)
     modelio.save(graph, destination, external_data=external_data)
     summary: dict[str, int] = {}
     for report in reports:
@@ -121,6 +128,7 @@ def optimize_file(
         "output": str(destination),
         "passes": names,
         "untie": untie,
+        **({"for_quantization": for_quantization} if for_quantization else {}),
         "norm_sites": len(found.sites),
         "summary": summary,
         "reports": [r.to_dict() for r in reports],

@@ -7,6 +7,7 @@ import argparse
 from typing import Any
 
 from flashnorm.passes import DEFAULT_PASSES, PASSES, optimize_file
+from flashnorm.passes.quantization_aware import FORMATS
 from flashnorm.report import grouped_reasons
 
 
@@ -18,12 +19,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              f"default: {','.join(DEFAULT_PASSES)})")
     parser.add_argument("--untie", action="store_true",
                         help="fold into a private copy of a weight shared with other nodes (tied LM head)")
+    parser.add_argument("--for-quantization", metavar="FORMAT", choices=sorted(FORMATS),
+                        help="the model will be quantized after folding: fold only the sites whose fold is predicted "
+                             "to keep that quantizer's weight error within 5%% of the unfolded model's (simulated "
+                             f"round-to-nearest; {'; '.join(f'{k}: {v.description}' for k, v in FORMATS.items())}); "
+                             "each site's predicted error ratio is in the report (docs/QUANTIZATION.md)")
     parser.add_argument("--external-data", action=argparse.BooleanOptionalAction, default=None,
                         help="store weights in OUT.onnx.data (default: as the input did, or when over ~1.8 GB)")
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    return optimize_file(args.model, args.output, args.passes, args.untie, external_data=args.external_data)
+    return optimize_file(args.model, args.output, args.passes, args.untie, external_data=args.external_data,
+                         for_quantization=args.for_quantization)
 
 
 def format_text(report: dict[str, Any], verbose: bool = False) -> str:
