@@ -103,6 +103,42 @@ def _fold_into(stage: Path, source: Any, untie: bool, dtype: str, model: Any, in
     return tensors, structure, gains, growth, shards
 
 
+def fold_loaded_model(model: Any, *, round_to: str | None = None) -> dict[str, Any]:
+    """Fold every foldable norm of an already loaded transformers model in place (tied heads
+    stay tied, so the final norm of a tied model keeps its gain): each consumer's weight
+    becomes W·diag(g) computed in float64 and rounded once, to `round_to` (a torch dtype name,
+    e.g. 'float16') when the model will be cast to it afterwards, else to the weight's own
+    dtype; the norm's weight becomes its identity. The same weights `fold_checkpoint(...,
+    dtype=round_to)` writes, for `flashnorm export --fold`. Returns {folded, left_alone, sites}."""
+    import torch
+
+    structure = probe_structure(model.config, untie=False)
+    modules = dict(model.named_modules())
+    folded, alone = [], []
+    with torch.no_grad():
+        for site in structure.sites:
+            if not site.folded:
+                alone.append({"name": site.name, "reason": site.reason})
+                continue
+            norm = modules[site.name]
+            gain = norm.weight.detach().to(torch.float64)
+            if site.convention == "1+w":
+                gain = gain + 1.0
+            if bool(torch.all(gain == 1.0)):
+                alone.append({"name": site.name, "reason": "its gain is already the identity (weightless)"})
+                continue
+            for linear in site.linears:
+                weight = modules[linear].weight
+                product = weight.detach().to(torch.float64) * gain
+                if round_to is not None:
+                    product = product.to(getattr(torch, round_to))
+                weight.copy_(product.to(weight.dtype))
+            norm.weight.fill_(0.0 if site.convention == "1+w" else 1.0)
+            folded.append(site.name)
+    return {"architecture": structure.architecture, "folded": len(folded), "left_alone": len(alone),
+            "sites_left_alone": alone}
+
+
 @dataclasses.dataclass(frozen=True)
 class _Directory:
     """A Hugging Face directory given by path (what ModelSource is for one, without needing
