@@ -91,3 +91,35 @@ def test_the_pass_folds_an_even_gain_and_keeps_a_spread_one(fmt, rng):
 def test_an_unknown_format_is_one_line(rng):
     with pytest.raises(FlashNormError, match="unknown quantization format 'int3'; choose from"):
         run_passes(_one_site(np.ones(8) * 2, rng), ["fold"], for_quantization="int3")
+
+
+def test_fold_checkpoint_selects_the_same_way(tmp_path):
+    """`fold-checkpoint --for-quantization`: a site whose gain is spread sixfold inside each
+    block keeps it, sites of even gain magnitude fold; the predicted ratios are in the report."""
+    pytest.importorskip("torch")
+    import torch
+
+    from flashnorm.checkpoint import fold_checkpoint
+    from models import cache
+
+    model = cache.tiny_llama_model()
+    hf = tmp_path / "hf"
+    model.save_pretrained(hf)
+    # The tiny model's hidden size is 64: one int4 block of 128 (padded) covers all of K.
+    with torch.no_grad():
+        state = {k: v.clone() for k, v in model.state_dict().items()}
+    state["model.layers.0.input_layernorm.weight"] = torch.where(torch.arange(64) % 2 == 0, 3.0, 0.5)
+    for name in ("model.layers.0.post_attention_layernorm.weight", "model.layers.1.input_layernorm.weight",
+                 "model.layers.1.post_attention_layernorm.weight"):
+        state[name] = torch.full((64,), 1.3)
+    from safetensors.torch import save_file
+
+    save_file({k: v.contiguous() for k, v in state.items() if k != "lm_head.weight"}, str(hf / "model.safetensors"))
+    report = fold_checkpoint(hf, tmp_path / "out", for_quantization="int4")
+    sites = {s["name"]: s for s in report["sites"]}
+    assert sites["model.layers.0.input_layernorm"]["status"] == "left alone"
+    assert "kept the gain for int4 quantization" in sites["model.layers.0.input_layernorm"]["reason"]
+    assert sites["model.layers.0.input_layernorm"]["predicted_error_ratio"] > 1.2
+    for name in ("model.layers.0.post_attention_layernorm", "model.layers.1.input_layernorm"):
+        assert sites[name]["status"] == "folded" and sites[name]["predicted_error_ratio"] == pytest.approx(1.0)
+    assert report["for_quantization"] == "int4" and report["folded"] == 3

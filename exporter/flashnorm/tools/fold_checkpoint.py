@@ -10,6 +10,7 @@ from typing import Any
 from flashnorm.checkpoint import DTYPES, fold_checkpoint
 from flashnorm.errors import FlashNormError
 from flashnorm.export.sources import KNOWN_MODELS, load_tokenizer, resolve_source
+from flashnorm.passes.quantization_aware import FORMATS
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -28,6 +29,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "where folding is estimated to raise its consumers' int8 error by more than RATIO "
                              "(each folded site's estimate is in the report; 1.3 kept SmolLM2-135M's measured "
                              "int8 logits error within 1.1x of the unfolded model's)")
+    parser.add_argument("--for-quantization", metavar="FORMAT", choices=sorted(FORMATS),
+                        help="the checkpoint will be quantized after folding: fold only the norms whose fold is "
+                             "predicted to keep that quantizer's weight error within 5%% (as optimize "
+                             f"--for-quantization; {', '.join(sorted(FORMATS))}; int4-b32 for onnxruntime-genai's "
+                             "builder default); each site's predicted error ratio is in the report")
     parser.add_argument("--check-int8", action="store_true",
                         help="also quantize the original and the folded model to int8 (weight-only, per channel) "
                              "and compare their logits errors on a sample text against the float32 original")
@@ -39,7 +45,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     source = resolve_source(args.source, args.model)
     tokenizer = load_tokenizer(source) if args.check_int8 else None  # a missing one fails before any work
     report = fold_checkpoint(source, args.output, untie=args.untie, dtype=args.dtype, force=args.force,
-                             int8_limit=args.int8_limit)
+                             int8_limit=args.int8_limit, for_quantization=args.for_quantization)
     if tokenizer is not None:
         report["int8"] = _check_int8(source, report["output"], tokenizer)
     return report
