@@ -118,8 +118,8 @@ def save_hf_dir(model: Any, tokenizer: Any, directory: Path) -> Path:
 
 def tiny_llama_hf(directory: Path, seed: int = 0) -> Path:
     """A small random Llama (the architecture of SmolLM2: tied head, GQA) with random, partly
-    negative gains, hidden 256 so that int4 blocks of 128 and 32 fit, saved with a GPT-2-style
-    byte-level tokenizer-free config: the producers need only config.json and the weights."""
+    negative gains, hidden 256 so that int4 blocks of 128 and 32 fit, saved with a word-level
+    tokenizer of its 512 tokens ("<unk>", "<s>", "</s>", "t3" … "t511"; the genai builder writes the tokenizer too)."""
     import numpy as np
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -136,7 +136,18 @@ def tiny_llama_hf(directory: Path, seed: int = 0) -> Path:
                 gain = rng.uniform(0.05, 2.0, parameter.shape) * np.where(rng.random(parameter.shape) < 0.2, -1, 1)
                 parameter.copy_(torch.from_numpy(gain.astype(np.float32)))
     model.save_pretrained(directory)
+    _tiny_tokenizer(config.vocab_size).save_pretrained(directory)
     return directory
+
+
+def _tiny_tokenizer(vocab_size: int):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"t{i}": i for i in range(3, vocab_size)}}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
 
 
 def _shown(command: Sequence[str]) -> str:

@@ -72,8 +72,22 @@ def quantized_ops(model_path: str | os.PathLike[str]) -> dict[str, int]:
     return counts
 
 
-def _feeds(session: Any, ids: np.ndarray) -> dict[str, np.ndarray]:
-    """Everything a causal LM session needs to run `ids` ([1, n]) from an empty past."""
+def past_head_size(model_path: str | os.PathLike[str]) -> int | None:
+    """The head size of the past keys/values of a model onnxruntime-genai's builder wrote, from
+    the genai_config.json beside it (its fp32 models declare that axis symbolically), else None."""
+    import json
+    from pathlib import Path
+
+    config = Path(model_path).parent / "genai_config.json"
+    try:
+        return int(json.loads(config.read_text())["model"]["decoder"]["head_size"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def _feeds(session: Any, ids: np.ndarray, head_size: int | None = None) -> dict[str, np.ndarray]:
+    """Everything a causal LM session needs to run `ids` ([1, n]) from an empty past
+    (`head_size`: the past's last axis where the model declares it symbolically)."""
     n = ids.shape[1]
     feeds: dict[str, np.ndarray] = {}
     for spec in session.get_inputs():
@@ -85,7 +99,9 @@ def _feeds(session: Any, ids: np.ndarray) -> dict[str, np.ndarray]:
         elif spec.name == "position_ids":
             feeds[spec.name] = np.arange(n, dtype=kind or np.int64)[None, :]
         elif spec.name.startswith("past_key_values.") or spec.name.startswith("past_key."):
-            shape = spec.shape
+            shape = list(spec.shape)
+            if len(shape) == 4 and not isinstance(shape[3], int) and head_size:
+                shape[3] = head_size
             if len(shape) != 4 or not isinstance(shape[1], int) or not isinstance(shape[3], int):
                 raise FlashNormError(f"past input {spec.name} has shape {shape}: expected [batch, heads, past, head_dim]")
             feeds[spec.name] = np.zeros((1, shape[1], 0, shape[3]), dtype=kind or np.float32)
@@ -100,7 +116,8 @@ def _logits_index(session: Any) -> int:
     return names.index("logits") if "logits" in names else 0
 
 
-def token_nll(session: Any, ids: Sequence[int], *, window: int = DEFAULT_WINDOW) -> np.ndarray:
+def token_nll(session: Any, ids: Sequence[int], *, window: int = DEFAULT_WINDOW,
+              head_size: int | None = None) -> np.ndarray:
     """The NLL (nats, float64) of every token of `ids` after the first of its window, given
     the tokens before it in that window: the text is cut into windows of `window` tokens,
     each run alone from an empty past."""
@@ -115,7 +132,7 @@ def token_nll(session: Any, ids: Sequence[int], *, window: int = DEFAULT_WINDOW)
         chunk = tokens[start:start + window]
         if chunk.size < 2:
             break
-        logits = session.run(None, _feeds(session, chunk[None, :]))[index]
+        logits = session.run(None, _feeds(session, chunk[None, :], head_size))[index]
         logits = np.asarray(logits[0, :-1], dtype=np.float64)
         top = logits.max(axis=-1, keepdims=True)
         log_z = np.log(np.exp(logits - top).sum(axis=-1)) + top[:, 0]
@@ -123,14 +140,14 @@ def token_nll(session: Any, ids: Sequence[int], *, window: int = DEFAULT_WINDOW)
     return np.concatenate(losses)
 
 
-def greedy_tokens(session: Any, prompt: Sequence[int], count: int) -> list[int]:
+def greedy_tokens(session: Any, prompt: Sequence[int], count: int, *, head_size: int | None = None) -> list[int]:
     """`count` tokens generated greedily after `prompt`, re-running the whole sequence each
     step from an empty past (every model the NLL runs, whatever its inputs)."""
     tokens = [int(t) for t in prompt]
     index = _logits_index(session)
     out = []
     for _ in range(count):
-        logits = session.run(None, _feeds(session, np.asarray([tokens], dtype=np.int64)))[index]
+        logits = session.run(None, _feeds(session, np.asarray([tokens], dtype=np.int64), head_size))[index]
         token = int(np.argmax(logits[0, -1]))
         out.append(token)
         tokens.append(token)
@@ -162,8 +179,9 @@ def measure(model_path: str | os.PathLike[str], ids: Sequence[int], *, optimizat
             hint = " (ModelOpt's int8 files load at --optimization-level basic)" if optimization_level != "basic" else ""
             raise FlashNormError(f"{exc}{hint}") from None
     ids = [int(i) for i in ids]
-    nll = float(token_nll(session, ids, window=window).mean())
-    generated = greedy_tokens(session, ids[:prompt_tokens], greedy) if greedy else []
+    head_size = past_head_size(model_path)
+    nll = float(token_nll(session, ids, window=window, head_size=head_size).mean())
+    generated = greedy_tokens(session, ids[:prompt_tokens], greedy, head_size=head_size) if greedy else []
     return ModelLikelihood(os.fspath(model_path), nll, generated, quantized_ops(model_path), optimization_level)
 
 
