@@ -119,14 +119,17 @@ def save_hf_dir(model: Any, tokenizer: Any, directory: Path) -> Path:
 def tiny_llama_hf(directory: Path, seed: int = 0) -> Path:
     """A small random Llama (the architecture of SmolLM2: tied head, GQA) with random, partly
     negative gains, hidden 256 so that int4 blocks of 128 and 32 fit, saved with a word-level
-    tokenizer of its 512 tokens ("<unk>", "<s>", "</s>", "t3" … "t511"; the genai builder writes the tokenizer too)."""
+    tokenizer of its 384 tokens ("<unk>", "<s>", "</s>", "t3" … "t383"; the genai builder writes
+    the tokenizer too). The vocabulary differs from every projection's width: onnxruntime-genai
+    0.18's builder wires its LM head to the wrong tensor when the intermediate size equals the
+    vocabulary size (seen with 512 and 512: logits from layer 0)."""
     import numpy as np
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
     rng = np.random.default_rng(seed)
-    config = LlamaConfig(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+    config = LlamaConfig(vocab_size=384, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=256,
                          tie_word_embeddings=True, rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2)
     model = LlamaForCausalLM(config).eval()

@@ -54,8 +54,8 @@ def test_a_gain_spread_inside_a_block_raises_the_error(rng):
 def test_selection_spends_its_share_on_the_cheapest_sites():
     errors = [SiteError("cheap", 10.0, 10.2), SiteError("mid", 10.0, 10.4), SiteError("dear", 10.0, 20.0)]
     # Total unfolded 30; 5 % is 1.5: cheap (+0.2) and mid (+0.4) fit, dear (+10) does not.
-    assert set(select_sites(errors, INT4)) == {"dear"}
-    assert set(select_sites(errors, INT4, share=0.01)) == {"mid", "dear"}
+    assert set(select_sites(errors, INT4, share=0.05)) == {"dear"}
+    assert set(select_sites(errors, INT4, share=0.01)) == {"mid", "dear"}  # 0.3: cheap only
     assert select_sites(errors, INT4, share=1.0) == {}
     assert errors[0].ratio == pytest.approx(np.sqrt(1.02))
 
@@ -117,7 +117,7 @@ def test_fold_checkpoint_selects_the_same_way(tmp_path):
     save_file({k: v.contiguous() for k, v in state.items() if k != "lm_head.weight"}, str(hf / "model.safetensors"))
     report = fold_checkpoint(hf, tmp_path / "out", for_quantization="int4")
     sites = {s["name"]: s for s in report["sites"]}
-    assert sites["model.layers.0.input_layernorm"]["status"] == "left alone"
+    assert sites["model.layers.0.input_layernorm"]["status"] == "left alone"  # +96 % of a quarter of the error
     assert "kept the gain for int4 quantization" in sites["model.layers.0.input_layernorm"]["reason"]
     assert sites["model.layers.0.input_layernorm"]["predicted_error_ratio"] > 1.2
     for name in ("model.layers.0.post_attention_layernorm", "model.layers.1.input_layernorm"):
