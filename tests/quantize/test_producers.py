@@ -1,7 +1,7 @@
 """The real quantizers on a small random Llama (SmolLM2's architecture: tied head, GQA, hidden
 256 so that int4 blocks of 128 and 32 fit), run through the quantize environment's Python
 (`.ci/quantize-env.sh`, FLASHNORM_QUANTIZE_VENV): ModelOpt int4 rtn_dq on `flashnorm export`'s
-file, unfolded, folded and folded selectively; onnxruntime-genai's builder (fp32 and int4) on the
+file, unfolded and folded selectively; onnxruntime-genai's builder (fp32 and int4) on the
 Hugging Face directory and on `fold-checkpoint`'s. Each quantized pair goes through the NLL
 budget (`flashnorm compare --budget`); random weights make no promise about the verdict, so the
 tests check that the machinery runs and reports, and what must hold exactly: the builder's fp32
@@ -64,16 +64,14 @@ def test_modelopt_int4_rtn(work, tmp_path):
     from flashnorm.passes import optimize_file
 
     fp32 = work / "model.onnx"
-    optimize_file(fp32, work / "fold.onnx", ["fold"])
     optimize_file(fp32, work / "select.onnx", ["fold"], for_quantization="int4")
     made = {}
-    for name in ("model", "fold", "select"):
+    for name in ("model", "select"):  # two runs: each starts torch and ModelOpt (about 40 s on two cores)
         made[name] = work / f"{name}.int4.onnx"
         quantizers.modelopt(PYTHON, work / f"{name}.onnx", made[name], mode="int4", method="rtn_dq", timeout=600)
         assert likelihood.quantized_ops(made[name]) == {"DequantizeLinear": 14}  # 7 projections × 2 layers
-    for candidate in ("fold", "select"):
-        result = _budget(tmp_path, fp32, made["model"], made[candidate])
-        assert result["quantized_ops"]["candidate"] == {"DequantizeLinear": 14}
+    result = _budget(tmp_path, fp32, made["model"], made["select"])
+    assert result["quantized_ops"]["candidate"] == {"DequantizeLinear": 14}
 
 
 def test_genai_builder(work, tmp_path):
