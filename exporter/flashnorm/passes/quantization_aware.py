@@ -130,5 +130,5 @@ def select_sites(errors: list[SiteError], fmt: QuantFormat, share: float = DEFAU
             spent += added
             continue
         keep[e.name] = (f"kept the gain for {fmt.name} quantization: folding raises its consumers' predicted "
-                        f"error more than the {share:.0%} the selection spends (predicted_error_ratio)")
+                        f"error more than the {share:.1%} the selection spends (predicted_error_ratio)")
     return keep
