@@ -77,3 +77,34 @@ def test_hf_directory_export(tmp_path, capsys, rng, kv_cache):
         expected = model(torch.from_numpy(ids)).logits.numpy()
     logits = session.run(["logits"], feeds)[0]
     assert np.abs(logits - expected).max() / np.abs(expected).max() < 1e-5
+
+
+@pytest.mark.parametrize("dtype,stored", [("fp16", "float16"), ("bf16", "bfloat16")])
+def test_export_fold_equals_fold_checkpoint_then_export(dtype, stored, tmp_path, capsys):
+    """`export --dtype fp16|bf16 --fold` folds in float64 and rounds each weight once: the same
+    initializers as `fold-checkpoint --dtype float16|bfloat16` then `export`."""
+    import onnx
+    from onnx import numpy_helper
+
+    hf = tmp_path / "hf"
+    cache.tiny_llama_model().save_pretrained(hf)
+    one, two = tmp_path / "one.onnx", tmp_path / "two.onnx"
+    report_path = tmp_path / "report.json"
+    assert cli.main(["export", str(hf), "--dtype", dtype, "--fold", "-o", str(one), "--report", str(report_path)]) == 0
+    report = json.loads(report_path.read_text())
+    # 2 layers × 2 norms fold; the final norm feeds the tied head and keeps its gain.
+    assert report["fold"]["folded"] == 4 and report["fold"]["left_alone"] == 1
+    assert "folded 4 norms before rounding" in capsys.readouterr().out
+    assert cli.main(["fold-checkpoint", str(hf), "--dtype", stored, "-o", str(tmp_path / "folded")]) == 0
+    assert cli.main(["export", str(tmp_path / "folded"), "--dtype", dtype, "-o", str(two)]) == 0
+
+    def weights(path):
+        return {t.name: numpy_helper.to_array(t) for t in onnx.load(str(path)).graph.initializer}
+
+    a, b = weights(one), weights(two)
+    assert a.keys() == b.keys()
+    for name in a:
+        np.testing.assert_array_equal(a[name], b[name], err_msg=name)
+    gains = [name for name in a if "layernorm" in name]
+    assert gains and all(np.all(a[name] == 1) for name in gains)
+    assert [n.op_type for n in onnx.load(str(one)).graph.node] == [n.op_type for n in onnx.load(str(two)).graph.node]

@@ -38,7 +38,8 @@ _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".h5", ".msgpack", ".
 
 def fold_checkpoint(source: ModelSource | str | os.PathLike[str], output: str | os.PathLike[str], *,
                     untie: bool = False, dtype: str = "auto", model: Any = None,
-                    force: bool = False, int8_limit: float | None = None) -> dict[str, Any]:
+                    force: bool = False, int8_limit: float | None = None,
+                    for_quantization: str | None = None) -> dict[str, Any]:
     """Write the folded checkpoint of `source` (a resolved ModelSource, or a Hugging Face
     directory's path) to the new directory `output`; return the report.
 
@@ -48,6 +49,9 @@ def fold_checkpoint(source: ModelSource | str | os.PathLike[str], output: str | 
     With `int8_limit`, a norm whose fold is estimated (`int8_error_estimate`) to raise its
     consumers' int8 per-channel quantization error by more than that factor keeps its gain,
     with the estimate as the reason: for checkpoints that will be quantized after folding.
+    With `for_quantization` (a `passes.quantization_aware.FORMATS` name), only the sites that
+    `select_sites` picks for that quantizer fold (the same selection as `flashnorm optimize
+    --passes fold --for-quantization`).
 
     The output is staged in a temporary directory beside it and renamed into place at the
     end (flashnorm.files.staged_directory; a non-empty `output` is replaced only with
@@ -59,22 +63,34 @@ def fold_checkpoint(source: ModelSource | str | os.PathLike[str], output: str | 
         source = _Directory(Path(source))
     if dtype not in DTYPES:
         raise FlashNormError(f"--dtype {dtype} is not one of {', '.join(DTYPES)}")
+    if for_quantization is not None:
+        from flashnorm.passes.quantization_aware import FORMATS
+
+        if for_quantization not in FORMATS:
+            raise FlashNormError(f"unknown quantization format {for_quantization!r}; choose from {', '.join(FORMATS)}")
     if int8_limit is not None and not int8_limit >= 1.0:
         raise FlashNormError(f"--int8-limit {int8_limit} is below 1 (the factor by which folding may raise int8 error)")
     destination = Path(output)
     tensors: TensorSource | None = None
     with staged_directory(destination, force) as stage:
         try:
-            tensors, structure, gains, growth, shards = _fold_into(stage, source, untie, dtype, model, int8_limit)
+            tensors, structure, gains, growth, shards, predicted = _fold_into(stage, source, untie, dtype, model,
+                                                                              int8_limit, for_quantization)
         finally:
             if tensors is not None:
                 tensors.close()
     report = _report(source, destination, structure, gains, growth, untie, dtype, shards, started)
     report["int8_limit"] = int8_limit
+    if for_quantization:
+        report["for_quantization"] = for_quantization
+        for site in report["sites"]:
+            if site["name"] in predicted:
+                site["predicted_error_ratio"] = predicted[site["name"]]
     return report
 
 
-def _fold_into(stage: Path, source: Any, untie: bool, dtype: str, model: Any, int8_limit: float | None) -> tuple:
+def _fold_into(stage: Path, source: Any, untie: bool, dtype: str, model: Any, int8_limit: float | None,
+               for_quantization: str | None = None) -> tuple:
     """Everything fold_checkpoint writes, into the empty directory `stage`."""
     tensors: TensorSource | None = None
     try:
@@ -87,6 +103,7 @@ def _fold_into(stage: Path, source: Any, untie: bool, dtype: str, model: Any, in
         gains = _gains(structure.sites, tensors)
         if int8_limit is not None:
             _keep_int8_risky(structure.sites, tensors, gains, int8_limit)
+        predicted = _keep_for_quantization(structure.sites, tensors, gains, for_quantization) if for_quantization else {}
         growth: dict[str, dict[str, float]] = {}
         shards, total = _plan(structure.sites, tensors, gains, dtype, growth)
         _write(stage, shards, total, indexed=source.gguf_file is None and (source.directory / INDEX_NAME).is_file())
@@ -100,7 +117,43 @@ def _fold_into(stage: Path, source: Any, untie: bool, dtype: str, model: Any, in
         if tensors is not None:
             tensors.close()
         raise
-    return tensors, structure, gains, growth, shards
+    return tensors, structure, gains, growth, shards, predicted
+
+
+def fold_loaded_model(model: Any, *, round_to: str | None = None) -> dict[str, Any]:
+    """Fold every foldable norm of an already loaded transformers model in place (tied heads
+    stay tied, so the final norm of a tied model keeps its gain): each consumer's weight
+    becomes W·diag(g) computed in float64 and rounded once, to `round_to` (a torch dtype name,
+    e.g. 'float16') when the model will be cast to it afterwards, else to the weight's own
+    dtype; the norm's weight becomes its identity. The same weights `fold_checkpoint(...,
+    dtype=round_to)` writes, for `flashnorm export --fold`. Returns {folded, left_alone, sites}."""
+    import torch
+
+    structure = probe_structure(model.config, untie=False)
+    modules = dict(model.named_modules())
+    folded, alone = [], []
+    with torch.no_grad():
+        for site in structure.sites:
+            if not site.folded:
+                alone.append({"name": site.name, "reason": site.reason})
+                continue
+            norm = modules[site.name]
+            gain = norm.weight.detach().to(torch.float64)
+            if site.convention == "1+w":
+                gain = gain + 1.0
+            if bool(torch.all(gain == 1.0)):
+                alone.append({"name": site.name, "reason": "its gain is already the identity (weightless)"})
+                continue
+            for linear in site.linears:
+                weight = modules[linear].weight
+                product = weight.detach().to(torch.float64) * gain
+                if round_to is not None:
+                    product = product.to(getattr(torch, round_to))
+                weight.copy_(product.to(weight.dtype))
+            norm.weight.fill_(0.0 if site.convention == "1+w" else 1.0)
+            folded.append(site.name)
+    return {"architecture": structure.architecture, "folded": len(folded), "left_alone": len(alone),
+            "sites_left_alone": alone}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -223,6 +276,31 @@ def _keep_int8_risky(sites: list[NormSite], tensors: TensorSource, gains: dict[s
             site.reason = f"folding would raise its consumers' int8 error about {estimate:.2f}× (--int8-limit {limit:g})"
             site.linears, site.tied = [], {}
             del gains[site.name]
+
+
+def _keep_for_quantization(sites: list[NormSite], tensors: TensorSource, gains: dict[str, Any],
+                           format_name: str) -> dict[str, float]:
+    """Leave alone the sites `select_sites` does not pick for `format_name`; returns every
+    foldable site's predicted error ratio. nn.Linear stores [out, in]: the gain runs over axis 1."""
+    import torch
+
+    from flashnorm.passes.quantization_aware import FORMATS, select_sites, site_error
+
+    fmt = FORMATS[format_name]
+    errors = []
+    for site in sites:
+        if site.name not in gains:
+            continue
+        weights = [(tensors.read(site.tied.get(lin, f"{lin}.weight")).to(torch.float64).numpy(), 1)
+                   for lin in site.linears]
+        errors.append(site_error(site.name, weights, gains[site.name].numpy(), fmt))
+    keep = select_sites(errors, fmt)
+    for site in sites:
+        reason = keep.get(site.name)
+        if reason:
+            site.reason, site.linears, site.tied = reason, [], {}
+            del gains[site.name]
+    return {e.name: round(e.ratio, 4) for e in errors}
 
 
 def _scaled_rows(rows: Any, gain: Any, buffers: BlockBuffers) -> tuple[Any, Any, Any]:

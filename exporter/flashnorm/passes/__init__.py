@@ -19,7 +19,7 @@ from flashnorm.report import PassReport
 # `run_passes` options that function takes). Imported on first use, so a missing or broken pass
 # does not break the others.
 PASSES: dict[str, tuple[str, tuple[str, ...]]] = {
-    "fold": ("fold", ("untie", "quant_limit")),
+    "fold": ("fold", ("untie", "quant_limit", "for_quantization")),
     "cancel": ("cancel", ()),
     "defer": ("defer", ()),
 }
@@ -56,16 +56,23 @@ def parse_pass_names(names: str | Sequence[str]) -> list[str]:
 
 
 def run_passes(graph: gs.Graph, names: Sequence[str], *, untie: bool = False,
-               quant_limit: Optional[float] = None) -> tuple[gs.Graph, list[PassReport]]:
+               quant_limit: Optional[float] = None,
+               for_quantization: Optional[str] = None) -> tuple[gs.Graph, list[PassReport]]:
     """Apply the named passes in order, each with the options it takes (`untie`, `quant_limit`:
-    fold; None: `flashnorm.passes.quantized.DEFAULT_QUANT_LIMIT`).
+    fold, None: `flashnorm.passes.quantized.DEFAULT_QUANT_LIMIT`; `for_quantization`: fold).
     Missing element types (the legacy torch exporter writes none) are inferred first: passes
     that build new nodes need them."""
     from flashnorm.match.shapes import annotate_types
 
     from flashnorm.passes.quantized import DEFAULT_QUANT_LIMIT
 
-    options = {"untie": untie, "quant_limit": DEFAULT_QUANT_LIMIT if quant_limit is None else quant_limit}
+    if for_quantization is not None:
+        from flashnorm.passes.quantization_aware import FORMATS
+
+        if for_quantization not in FORMATS:
+            raise FlashNormError(f"unknown quantization format {for_quantization!r}; choose from {', '.join(FORMATS)}")
+    options = {"untie": untie, "quant_limit": DEFAULT_QUANT_LIMIT if quant_limit is None else quant_limit,
+               "for_quantization": for_quantization}
     passes = [(get_pass(name), PASSES[name][1]) for name in parse_pass_names(names)]
     annotate_types(graph)
     reports = []
@@ -97,6 +104,7 @@ def optimize_file(
     *,
     external_data: Optional[bool] = None,
     quant_limit: Optional[float] = None,
+    for_quantization: Optional[str] = None,
 ) -> dict[str, Any]:
     """Load `in_path`, run `passes`, save to `out_path` (atomically; the input is never
     written). Raises FlashNormError for bad input: unknown pass, unreadable or invalid
@@ -115,7 +123,7 @@ def optimize_file(
     if not found.sites:
         why = f" ({len(found.rejected)} near-misses: {found.rejected[0].reason})" if found.rejected else ""
         raise FlashNormError(f"no RMSNorm found in {source}{why}")
-    graph, reports = run_passes(graph, names, untie=untie, quant_limit=quant_limit)
+    graph, reports = run_passes(graph, names, untie=untie, quant_limit=quant_limit, for_quantization=for_quantization)
     modelio.save(graph, destination, external_data=external_data)
     summary: dict[str, int] = {}
     for report in reports:
@@ -127,6 +135,7 @@ def optimize_file(
         "passes": names,
         "untie": untie,
         **({"quant_limit": quant_limit} if quant_limit is not None else {}),
+        **({"for_quantization": for_quantization} if for_quantization else {}),
         "norm_sites": len(found.sites),
         "summary": summary,
         "reports": [r.to_dict() for r in reports],

@@ -288,16 +288,28 @@ def apply_fold(site: NormSite, edits: list[WeightEdit]) -> list[gs.Node]:
     return new_nodes
 
 
-def fold(graph: gs.Graph, *, untie: bool = False, quant_limit: float = DEFAULT_QUANT_LIMIT) -> tuple[gs.Graph, PassReport]:
-    """Fold every foldable site's gain into its consumers' weights (quantized ones within `quant_limit`)."""
+def fold(graph: gs.Graph, *, untie: bool = False, quant_limit: float = DEFAULT_QUANT_LIMIT,
+         for_quantization: Optional[str] = None) -> tuple[gs.Graph, PassReport]:
+    """Fold every foldable site's gain into its consumers' weights (quantized ones within
+    `quant_limit`). With `for_quantization` (a `passes.quantization_aware.FORMATS` name), only the
+    sites whose fold is predicted to keep that quantizer's error within its share (`select_sites`)."""
     report = PassReport("fold")
     graph_outputs = frozenset(t.name for t in graph.outputs)
     sites = find_norm_sites(graph)
+    planned: list[tuple[NormSite, Optional[list[WeightEdit]], Optional[NotFoldable]]] = []
     for site in track(sites, "fold: sites checked", total=len(sites)):
         try:
-            edits = plan_fold(site, graph_outputs, untie=untie, quant_limit=quant_limit)
+            planned.append((site, plan_fold(site, graph_outputs, untie=untie, quant_limit=quant_limit), None))
         except NotFoldable as exc:
-            report.add(site.name, "skipped", str(exc), **exc.details)
+            planned.append((site, None, exc))
+    foldable = [(site, edits) for site, edits, _ in planned if edits is not None]
+    kept, predicted = _keep_for_quantization(foldable, for_quantization) if for_quantization else ({}, {})
+    for site, edits, reason in planned:  # decisions in the order of the sites
+        if reason is not None:
+            report.add(site.name, "skipped", str(reason), **reason.details)
+            continue
+        if site.name in kept:
+            report.add(site.name, "skipped", kept[site.name], predicted_error_ratio=predicted[site.name])
             continue
         graph.nodes.extend(apply_fold(site, edits))
         untied = [e.weight.name for e in edits if e.shared_with]
@@ -305,6 +317,21 @@ def fold(graph: gs.Graph, *, untie: bool = False, quant_limit: float = DEFAULT_Q
         quantized = site_quant_error(edits)
         report.add(site.name, "folded", "", spelling=site.spelling, gain_convention=site.gain_convention,
                    consumers=[f"{e.node.op} {e.node.name}" for e in edits], untied=untied,
-                   **({"rounding": rounding} if rounding else {}), **({"quantized": quantized} if quantized else {}))
+                   **({"rounding": rounding} if rounding else {}), **({"quantized": quantized} if quantized else {}),
+                   **({"predicted_error_ratio": predicted[site.name]} if site.name in predicted else {}))
     graph.cleanup().toposort()
     return graph, report
+
+
+def _keep_for_quantization(planned: list[tuple[NormSite, list[WeightEdit]]],
+                           format_name: str) -> tuple[dict[str, str], dict[str, float]]:
+    """(sites to leave unfolded with their reason, every planned site's predicted error ratio)
+    for a model that will be quantized in `format_name` (passes/quantization_aware.py)."""
+    from flashnorm.passes.quantization_aware import FORMATS, select_sites, site_error
+
+    fmt = FORMATS[format_name]
+    errors = []
+    for site, edits in track(planned, f"fold: {fmt.name} error predicted", total=len(planned)):
+        gain = np.asarray(site.gain, dtype=np.float64).reshape(-1)
+        errors.append(site_error(site.name, [(constant_array(e.stored), e.gain_axis) for e in edits], gain, fmt))
+    return select_sites(errors, fmt), {e.name: round(e.ratio, 4) for e in errors}

@@ -6,7 +6,10 @@ tokenizer, and `--generate N` also compares N greedy tokens. Any other model get
 tensors for every input, from its declared dtypes and shapes (`--input-shapes`, `--val-range`).
 With `--budget FP32.onnx`, a half-precision candidate is judged by the error budget of
 docs/HALF_PRECISION.md (against the fp32 model, next to the reference) instead of the
-tolerances."""
+tolerances; a quantized pair (either model has MatMulNBits, QuantizeLinear, DequantizeLinear...)
+by the NLL budget of docs/QUANTIZATION.md: the candidate's extra NLL over the fp32 model on a
+text (the shipped public-domain text, or `--text`/`--input-ids`) at most `--budget-ratio` times
+the reference's, with greedy tokens reported against both."""
 
 from __future__ import annotations
 
@@ -31,6 +34,7 @@ from flashnorm.tools.options import (
 from flashnorm.validate.budget import MAX_RATIO, MAX_TOP1_DROP_POINTS
 from flashnorm.validate.comparison import DEFAULT_ATOL, DEFAULT_MAX_REL_L2, DEFAULT_RTOL
 from flashnorm.validate.feeds import FeedOptions, build_feeds
+from flashnorm.validate.likelihood import DEFAULT_WINDOW
 from flashnorm.validate.runners import OPTIMIZATION_LEVELS
 
 
@@ -49,13 +53,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="judge a half-precision candidate by the error budget instead of the tolerances: "
                              "FP32_MODEL is the fp32 export of the same model; per output the candidate's rel L2 "
                              "error against it at most --budget-ratio times the reference's, and for logits its "
-                             "top-1 agreement at most --budget-top1-points lower (docs/HALF_PRECISION.md)")
+                             "top-1 agreement at most --budget-top1-points lower (docs/HALF_PRECISION.md). A "
+                             "quantized pair is judged by its NLL on a text instead: the candidate's extra NLL over "
+                             "FP32_MODEL at most --budget-ratio times the reference's, or +0.002 nats where the "
+                             "reference's is ≤ 0 (docs/QUANTIZATION.md); the shipped public-domain text unless "
+                             "--text or --input-ids")
     limits.add_argument("--budget-ratio", type=positive(float), default=MAX_RATIO, metavar="R",
                         help=f"with --budget: the largest allowed error ratio (default {MAX_RATIO:g})")
     limits.add_argument("--budget-top1-points", type=at_least(0.0, float), default=MAX_TOP1_DROP_POINTS, metavar="P",
                         help="with --budget: the largest allowed drop of top-1 agreement with the fp32 model, in "
                              f"percentage points (default {MAX_TOP1_DROP_POINTS:g}; one position of N moves it by "
                              "100/N, so judge it on thousands of positions)")
+    limits.add_argument("--budget-window", type=at_least(1), default=DEFAULT_WINDOW, metavar="TOKENS",
+                        help="quantized pairs under --budget: tokens per forward pass when measuring the NLL "
+                             f"(the text is cut into windows of this many; default {DEFAULT_WINDOW})")
     limits.add_argument("--generate", type=at_least(0), default=0, metavar="N",
                         help="also generate N tokens greedily from both models on ONNX Runtime (even with "
                              "--trt/--engine: the engine is not run in a generation loop); fail if any differs")
@@ -93,6 +104,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     from flashnorm.validate.runners import make_session, onnxrt_runner_factory
 
     providers = [p.strip() for p in args.providers.split(",") if p.strip()]
+    if args.budget and _quantized_pair(args):
+        return run_quantized_budget(args, providers)
     if args.budget:
         # Before any model runs: a missing file, a half "fp32" model or other inputs are one-line errors.
         check_same_inputs(args.budget, args.reference, args.candidate)
@@ -141,6 +154,51 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     return report
 
 
+def _quantized_pair(args: argparse.Namespace) -> bool:
+    from flashnorm.validate.likelihood import quantized_ops
+
+    return any(os.path.isfile(path) and quantized_ops(path) for path in (args.reference, args.candidate))
+
+
+def run_quantized_budget(args: argparse.Namespace, providers: list[str]) -> dict[str, Any]:
+    """`--budget` on a quantized pair: the NLL budget (validate/likelihood.py) on the shipped
+    text, `--text` or `--input-ids`, all three models on ONNX Runtime one after another."""
+    from onnx import TensorProto
+
+    from flashnorm.validate.bfloat16 import FLOAT, precision
+    from flashnorm.validate.inputs import parse_input_ids, tokenize, tokenizer_for
+    from flashnorm.validate.likelihood import judge_nll_budget, shipped_text
+
+    for path in (args.budget, args.reference, args.candidate):
+        if not os.path.isfile(path):
+            raise FlashNormError(f"model {path} does not exist")
+    if args.trt or args.engine:
+        raise FlashNormError("the quantized budget runs every model on ONNX Runtime; drop --trt/--engine")
+    if not args.budget_ratio > 0:
+        raise FlashNormError(f"--budget-ratio must be positive, got {args.budget_ratio:g}")
+    kind = precision(args.budget)[0]
+    if kind != FLOAT or _is_quantized(args.budget):
+        raise FlashNormError(f"--budget {args.budget} is not a float32 model: the quantized budget measures both "
+                             "quantized models against the float export")
+    if args.input_ids is not None:
+        ids, text = parse_input_ids(args.input_ids).reshape(-1), "--input-ids"
+    else:
+        words = args.text if args.text is not None else shipped_text()
+        text = "--text" if args.text is not None else "the shipped public-domain text"
+        ids = tokenize(words, tokenizer_for(args.budget, args.tokenizer)).reshape(-1)
+    budget = judge_nll_budget(args.budget, args.reference, args.candidate, ids.tolist(), text=text,
+                              optimization_level=args.optimization_level, providers=providers,
+                              window=args.budget_window, greedy=max(args.generate, 0) or 32,
+                              max_extra_ratio=args.budget_ratio)
+    return {"quantized_budget": budget.to_dict(), "passed": budget.passed}
+
+
+def _is_quantized(path: str) -> bool:
+    from flashnorm.validate.likelihood import quantized_ops
+
+    return bool(quantized_ops(path))
+
+
 def tensorrt_candidate(args: argparse.Namespace, feeds: list[dict[str, np.ndarray]]):
     """The TensorRT runner factory for the candidate when --trt or --engine is given, else
     None. TensorRT is imported here, so a missing installation is reported before any run."""
@@ -158,6 +216,10 @@ def format_text(report: dict[str, Any], verbose: bool = False) -> str:
     from flashnorm.validate.budget import format_budget
     from flashnorm.validate.comparison import ComparisonReport, OutputError, format_report
 
+    if "quantized_budget" in report:
+        from flashnorm.validate.likelihood import format_nll_budget
+
+        return format_nll_budget(report["quantized_budget"])
     fields = {k: v for k, v in report.items() if k in ComparisonReport.__dataclass_fields__}
     fields["outputs"] = [OutputError(**o) for o in report["outputs"]]
     budget = report.get("budget")

@@ -24,6 +24,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", default="fp32", metavar="TYPE", type=dtype_option("short"),
                         help=f"weights and activations in this type ({DTYPE_CHOICES}; default fp32); each "
                              "RMSNorm is still computed in fp32 inside the graph, and the logits are in this type")
+    parser.add_argument("--fold", action="store_true",
+                        help="fold every foldable norm's gain into the following linear weights before exporting, "
+                             "in float64, each weight rounded once to --dtype (the recommended half-precision "
+                             "artifact: the same weights as fold-checkpoint --dtype float16|bfloat16 then export; "
+                             "a tied LM head stays tied and the final norm keeps its gain)")
     parser.add_argument("--kv-cache", action="store_true",
                         help="add past_key_values.<i>.key/value inputs and present.<i>.key/value outputs")
 
@@ -41,7 +46,20 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         raise FlashNormError(f"output {output} should end in .onnx")
     if args.opset is not None and not 7 <= args.opset <= 25:
         raise FlashNormError(f"opset {args.opset} is out of range (7..25)")
-    return export_source(source, output, dynamo=args.dynamo, opset=args.opset, kv_cache=args.kv_cache, dtype=dtype)
+    if not args.fold:
+        return export_source(source, output, dynamo=args.dynamo, opset=args.opset, kv_cache=args.kv_cache, dtype=dtype)
+    from flashnorm.checkpoint.fold import fold_loaded_model
+    from flashnorm.export.onnx_export import say
+    from flashnorm.export.sources import load_causal_lm
+
+    say(f"loading {source.describe()} in float32 to fold")
+    model = load_causal_lm(source, "float32")
+    fold = fold_loaded_model(model, round_to=None if dtype == "float32" else dtype)
+    say(f"folded {fold['folded']} norms in float64, rounded once to {dtype}")
+    report = export_source(source, output, dynamo=args.dynamo, opset=args.opset, kv_cache=args.kv_cache, dtype=dtype,
+                           model=model)
+    report["fold"] = fold
+    return report
 
 
 def format_text(report: dict[str, Any], verbose: bool = False) -> str:
@@ -50,11 +68,18 @@ def format_text(report: dict[str, Any], verbose: bool = False) -> str:
     if report["tied_lm_head"]:
         kept = "kept tied: one initializer" if report["lm_head_tied_in_onnx"] else "UNTIED by the exporter: two copies"
         tie = f"; tied LM head {kept}"
+    folded = ""
+    if report.get("fold"):
+        fold = report["fold"]
+        folded = (f"\n  folded {fold['folded']} norms before rounding to {report['dtype']}, "
+                  f"{fold['left_alone']} left alone")
+        if verbose:
+            folded += "".join(f"\n    left alone: {s['name']}: {s['reason']}" for s in fold["sites_left_alone"])
     return (
         f"{report['source']} → {report['output']} ({report['exporter']} exporter, opset {report['opset']}, "
         f"{report['dtype']}{kv}){tie}\n"
         f"  logits in {report['logits_dtype']}\n"
         f"  inputs: {', '.join(report['inputs'][:3])}{' + past keys/values' if report['kv_cache'] else ''}\n"
         f"  {report['parameters']:,} parameters; loaded in {report['load_seconds']} s, exported in "
-        f"{report['export_seconds']} s, {report['seconds']} s in all"
+        f"{report['export_seconds']} s, {report['seconds']} s in all{folded}"
     )

@@ -10,6 +10,7 @@ from typing import Any
 
 from flashnorm.checkpoint import fold_checkpoint
 from flashnorm.export.sources import load_tokenizer, resolve_source
+from flashnorm.passes.quantization_aware import FORMATS
 from flashnorm.paths import Input, Output
 from flashnorm.tools.options import (
     DTYPE_CHOICES,
@@ -36,6 +37,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "where folding is estimated to raise its consumers' int8 error by more than RATIO "
                              "(each folded site's estimate is in the report; 1.3 kept SmolLM2-135M's measured "
                              "int8 logits error within 1.1x of the unfolded model's)")
+    parser.add_argument("--for-quantization", metavar="FORMAT", choices=sorted(FORMATS),
+                        help="the checkpoint will be quantized after folding: fold only the norms whose fold is "
+                             "predicted to keep that quantizer's weight error within 1.5%% (as optimize "
+                             f"--for-quantization; {', '.join(sorted(FORMATS))}; int4-b32 for onnxruntime-genai's "
+                             "builder default); each site's predicted error ratio is in the report")
     parser.add_argument("--check-int8", action="store_true",
                         help="also quantize the original and the folded model to int8 (weight-only, per channel) "
                              "and compare their logits errors on a sample text against the float32 original")
@@ -49,7 +55,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     source = model_source(args)
     tokenizer = load_tokenizer(source) if args.check_int8 else None  # a missing one fails before any work
     report = fold_checkpoint(source, args.output, untie=args.untie, dtype=args.dtype, force=args.force,
-                             int8_limit=args.int8_limit)
+                             int8_limit=args.int8_limit, for_quantization=args.for_quantization)
     if tokenizer is not None:
         report["int8"] = _check_int8(source, report["output"], tokenizer)
         report["passed"] = report["int8"]["passed"]  # a failed check exits 1, as compare does

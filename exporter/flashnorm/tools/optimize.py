@@ -7,6 +7,7 @@ import argparse
 from typing import Any
 
 from flashnorm.passes import DEFAULT_PASSES, PASSES, optimize_file
+from flashnorm.passes.quantization_aware import FORMATS
 from flashnorm.paths import Input, Output
 from flashnorm.report import grouped_reasons
 from flashnorm.tools.options import add_quant_limit_option, onnx_inputs, onnx_outputs
@@ -20,6 +21,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              f"default: {','.join(DEFAULT_PASSES)})")
     parser.add_argument("--untie", action="store_true",
                         help="fold into a private copy of a weight shared with other nodes (tied LM head)")
+    parser.add_argument("--for-quantization", metavar="FORMAT", choices=sorted(FORMATS),
+                        help="the model will be quantized after folding: fold only the sites whose fold is predicted "
+                             "to keep that quantizer's weight error within 1.5%% of the unfolded model's (simulated "
+                             f"round-to-nearest; {'; '.join(f'{k}: {v.description}' for k, v in FORMATS.items())}); "
+                             "each site's predicted error ratio is in the report (docs/QUANTIZATION.md)")
     parser.add_argument("--external-data", action=argparse.BooleanOptionalAction, default=None,
                         help="store weights in OUT.onnx.data (default: as the input did, or when over ~1.8 GB)")
     add_quant_limit_option(parser)
@@ -31,7 +37,7 @@ def paths(args: argparse.Namespace) -> tuple[list[Input], list[Output]]:
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     return optimize_file(args.model, args.output, args.passes, args.untie, external_data=args.external_data,
-                         quant_limit=args.quant_limit)
+                         quant_limit=args.quant_limit, for_quantization=args.for_quantization)
 
 
 def format_text(report: dict[str, Any], verbose: bool = False) -> str:

@@ -1,0 +1,143 @@
+"""The quantized-model budget (flashnorm.validate.likelihood): the NLL it measures equals
+transformers' loss for the same tokens, a model with a KV cache measures the same as one
+without, the budget's arithmetic, the shipped text, and `flashnorm compare --budget` on a
+fake-quantized pair (QuantizeLinear → DequantizeLinear on every MatMul weight)."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import onnx
+import pytest
+from onnx import helper, numpy_helper
+
+from flashnorm import cli
+from flashnorm.progress import Progress
+from flashnorm.validate import likelihood
+from flashnorm.validate.runners import make_session
+from models import cache
+
+pytest.importorskip("torch")
+
+
+@pytest.fixture(autouse=True)
+def _quiet(monkeypatch):
+    monkeypatch.setattr(Progress, "enabled", False)
+
+
+def fake_quantized(source, path, *, scale_factor=1.0, head_factor=1.0):
+    """`source` with every 2-D MatMul weight behind an int8 QuantizeLinear → DequantizeLinear
+    (per output column); the quantization step times `scale_factor` (coarser above 1), and the
+    final norm's gain (so the logits) times `head_factor`."""
+    model = onnx.load(str(source))
+    graph = model.graph
+    weights = {t.name: t for t in graph.initializer}
+    final_gain = weights["model.norm.weight"]
+    final_gain.CopyFrom(numpy_helper.from_array(numpy_helper.to_array(final_gain) * np.float32(head_factor),
+                                                final_gain.name))
+    nodes = []
+    for node in graph.node:
+        name = node.input[1] if node.op_type == "MatMul" and len(node.input) > 1 else None
+        if name in weights and len(weights[name].dims) == 2:
+            values = numpy_helper.to_array(weights[name]).astype(np.float64)
+            scale = (np.abs(values).max(axis=0) / 127 * scale_factor).astype(np.float32)
+            scale[scale == 0] = 1
+            q = np.clip(np.round(values / scale), -128, 127).astype(np.int8)
+            graph.initializer.extend([numpy_helper.from_array(q, f"{name}.q"), numpy_helper.from_array(scale, f"{name}.s")])
+            nodes.append(helper.make_node("DequantizeLinear", [f"{name}.q", f"{name}.s"], [f"{name}.dq"], axis=1))
+            node.input[1] = f"{name}.dq"
+        nodes.append(node)
+    del graph.node[:]
+    graph.node.extend(nodes)
+    onnx.save(model, str(path))
+    return path
+
+
+@pytest.fixture(scope="module")
+def trio(session_tmp):
+    fp32 = cache.tiny_llama_export(session_tmp)
+    directory = session_tmp / "likelihood"
+    directory.mkdir(exist_ok=True)
+    reference = fake_quantized(fp32, directory / "int8.onnx")
+    worse = fake_quantized(fp32, directory / "int8.worse.onnx", head_factor=3.0)
+    return fp32, reference, worse
+
+
+def _ids(n=40, seed=0):
+    return np.random.default_rng(seed).integers(0, cache.TINY_LLAMA["vocab_size"], n).tolist()
+
+
+def test_nll_is_the_loss_transformers_gives(session_tmp):
+    import torch
+
+    fp32 = cache.tiny_llama_export(session_tmp)
+    ids = _ids()
+    with torch.no_grad():
+        loss = float(cache.tiny_llama_model()(torch.tensor([ids]), labels=torch.tensor([ids])).loss)
+    nll = likelihood.token_nll(make_session(fp32), ids)
+    assert nll.shape == (len(ids) - 1,)
+    assert nll.mean() == pytest.approx(loss, rel=1e-5)
+    # Windows: each window predicts all but its first token.
+    assert likelihood.token_nll(make_session(fp32), ids, window=16).shape == (len(ids) - 1 - 2,)
+
+
+def test_a_model_with_a_kv_cache_measures_the_same(session_tmp):
+    plain = cache.tiny_llama_export(session_tmp)
+    with_cache = cache.tiny_llama_export(session_tmp, kv_cache=True)
+    ids = _ids()
+    a = likelihood.measure(plain, ids, prompt_tokens=8, greedy=6)
+    b = likelihood.measure(with_cache, ids, prompt_tokens=8, greedy=6)
+    assert a.nll == pytest.approx(b.nll, rel=1e-5) and a.greedy == b.greedy and len(a.greedy) == 6
+    assert a.quantized_ops == {}
+
+
+def test_the_limit():
+    assert likelihood.nll_limit(2.0, 2.5) == pytest.approx(0.55)
+    assert likelihood.nll_limit(2.0, 1.9) == likelihood.MIN_ALLOWANCE == 0.002
+    assert likelihood.nll_limit(2.0, 2.0) == 0.002
+    assert likelihood.nll_limit(2.0, 3.0, max_extra_ratio=2) == 2.0
+
+
+def test_quantized_ops_are_counted(trio):
+    fp32, reference, _ = trio
+    assert likelihood.quantized_ops(fp32) == {}
+    assert likelihood.quantized_ops(reference) == {"DequantizeLinear": 14}  # 7 per layer (the tied head is a Transpose)
+
+
+def test_shipped_text():
+    text = likelihood.shipped_text()
+    assert not text.startswith("#") and "Four score and seven years ago" in text
+    assert 1500 < len(text.split()) < 2000
+
+
+def test_judge_nll_budget(trio):
+    fp32, reference, worse = trio
+    ids = _ids(64)
+    same = likelihood.judge_nll_budget(fp32, reference, reference, ids, text="ids", greedy=4)
+    assert same.passed and same.candidate_nll == same.reference_nll
+    assert same.candidate_agrees_with_reference == 4 and same.quantized_ops["candidate"]
+    bad = likelihood.judge_nll_budget(fp32, reference, worse, ids, text="ids", greedy=4)
+    assert not bad.passed and bad.candidate_extra > bad.limit
+
+
+def test_compare_budget_on_a_quantized_pair(trio, tmp_path, capsys):
+    fp32, reference, worse = trio
+    ids = ",".join(map(str, _ids(48)))
+    report_path = tmp_path / "report.json"
+    argv = ["compare", str(reference), str(reference), "--budget", str(fp32), "--input-ids", ids,
+            "--optimization-level", "basic", "--generate", "5", "--report", str(report_path)]
+    assert cli.main(argv) == 0
+    out = capsys.readouterr().out
+    report = json.loads(report_path.read_text())["quantized_budget"]
+    assert report["passed"] and report["tokens"] == 48 and len(report["candidate_greedy"]) == 5
+    assert "quantized budget: mean NLL per token" in out and "PASSED" in out
+    argv[2] = str(worse)
+    assert cli.main(argv) == 1
+    assert "FAILED" in capsys.readouterr().out
+
+
+def test_compare_budget_refuses_a_quantized_float_model(trio, capsys):
+    fp32, reference, _ = trio
+    assert cli.main(["compare", str(reference), str(reference), "--budget", str(reference), "--input-ids", "1,2,3"]) == 2
+    assert "is not a float32 model" in capsys.readouterr().err
