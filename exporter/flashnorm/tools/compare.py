@@ -163,8 +163,6 @@ def _quantized_pair(args: argparse.Namespace) -> bool:
 def run_quantized_budget(args: argparse.Namespace, providers: list[str]) -> dict[str, Any]:
     """`--budget` on a quantized pair: the NLL budget (validate/likelihood.py) on the shipped
     text, `--text` or `--input-ids`, all three models on ONNX Runtime one after another."""
-    from onnx import TensorProto
-
     from flashnorm.validate.bfloat16 import FLOAT, precision
     from flashnorm.validate.inputs import parse_input_ids, tokenize, tokenizer_for
     from flashnorm.validate.likelihood import judge_nll_budget, shipped_text
