@@ -125,6 +125,19 @@ MARKER = ".flashnorm-output"
 checkpoints): the proof `force` needs before a non-empty folder is replaced."""
 
 
+def check_replaceable_folder(target: Path, force: bool, named: str) -> None:
+    """FlashNormError (one line, starting with `named`) unless `target` may become a folder output:
+    missing or an empty folder, or, with `force`, a folder flashnorm wrote (it holds `MARKER`)."""
+    if target.exists() and not target.is_dir():
+        raise FlashNormError(f"{named} exists and is not a directory")
+    if target.is_dir() and any(target.iterdir()):
+        if not force:
+            raise FlashNormError(f"{named} is not empty (pass --force to replace a folder flashnorm wrote)")
+        if not (target / MARKER).is_file():
+            raise FlashNormError(f"{named} is not empty and was not written by flashnorm (no {MARKER} in it); "
+                                 "--force replaces only folders flashnorm wrote")
+
+
 @contextlib.contextmanager
 def staged_directory(target: str | os.PathLike[str], force: bool) -> Iterator[Path]:
     """Yield a folder beside `target` holding only `MARKER`; on success its files are fsynced
@@ -135,14 +148,7 @@ def staged_directory(target: str | os.PathLike[str], force: bool) -> Iterator[Pa
     and only if it holds `MARKER` (flashnorm wrote it): never a folder of someone else's.
     """
     target = Path(target).absolute()
-    if target.exists() and not target.is_dir():
-        raise FlashNormError(f"output {target} exists and is not a directory")
-    if target.is_dir() and any(target.iterdir()):
-        if not force:
-            raise FlashNormError(f"output directory {target} is not empty (pass --force to replace it)")
-        if not (target / MARKER).is_file():
-            raise FlashNormError(f"output directory {target} is not empty and was not written by flashnorm "
-                                 f"(no {MARKER} in it); --force replaces only folders flashnorm wrote")
+    check_replaceable_folder(target, force, f"output directory {target}")
     if not target.parent.is_dir():
         raise FlashNormError(f"cannot write {target}: directory {target.parent} does not exist")
     staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent))

@@ -5,7 +5,7 @@ them (symlinks, `..`, relative to the current directory) and refuses, with one l
 that is, contains or lies inside an input (an ONNX model's external-data files included) or
 another output, one that is or contains the current directory, the home directory or a
 filesystem root, and one whose location cannot be written. `--force` replaces only a folder
-that flashnorm itself wrote (it carries `MARKER`), never anything else: refuse rather than
+that flashnorm itself wrote (it carries `files.MARKER`), never anything else: refuse rather than
 guess, as `cp`, `rsync` and `git` do. It imports nothing outside the standard library but
 `errors` and `files`; reading an ONNX file's external-data names is done by the caller
 (`flashnorm.modelio.external_data_files`), so this module stays cheap to import.
@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Iterable, Sequence
 
 from flashnorm.errors import FlashNormError
-from flashnorm.files import MARKER
+from flashnorm.files import check_replaceable_folder
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,9 +71,10 @@ def check_paths(command_inputs: Sequence[Input], outputs: Sequence[Output], forc
     or a place no command should replace, or that cannot be written; see the module docstring."""
     sources = [(item, resolved(item.path)) for item in command_inputs]
     targets = [(item, resolved(item.path)) for item in outputs]
+    places = _protected_places()
     for index, (output, target) in enumerate(targets):
         named = f"{output.what} {output.path}"
-        for place, where in _protected_places():
+        for place, where in places:
             if target == where or _inside(where, target):
                 verb = "is" if target == where else "contains"
                 raise FlashNormError(f"{named} {verb} {place}; flashnorm never replaces it")
@@ -116,13 +117,6 @@ def _check_writable(output: Output, target: Path, force: bool) -> None:
     except OSError as exc:
         raise FlashNormError(f"cannot write {named}: directory {parent}: {exc.strerror}") from None
     if output.folder:
-        if target.exists() and not target.is_dir():
-            raise FlashNormError(f"{named} exists and is not a directory")
-        if target.is_dir() and any(target.iterdir()):
-            if not force:
-                raise FlashNormError(f"{named} is not empty (pass --force to replace a folder flashnorm wrote)")
-            if not (target / MARKER).is_file():
-                raise FlashNormError(f"{named} is not empty and was not written by flashnorm (no {MARKER} in it); "
-                                     "--force replaces only folders flashnorm wrote")
+        check_replaceable_folder(target, force, named)
     elif target.is_dir():
         raise FlashNormError(f"{named} is a directory")

@@ -14,7 +14,7 @@ from typing import Any
 from flashnorm.errors import FlashNormError, require_file
 from flashnorm.paths import Input, Output
 from flashnorm.report import grouped_reasons
-from flashnorm.tools.options import DTYPE_CHOICES, at_least, dtype_option, onnx_inputs
+from flashnorm.tools.options import DTYPE_CHOICES, at_least, dtype_option, onnx_inputs, onnx_outputs
 
 MODEL = "smollm2-135m"
 # One fp32 ONNX file of SmolLM2-135M (134.5 M parameters), as measured: 539.5 MB.
@@ -57,8 +57,7 @@ def _model_files(args: argparse.Namespace) -> tuple[Path | None, Path]:
 def paths(args: argparse.Namespace) -> tuple[list[Input], list[Output]]:
     exported, optimized = _model_files(args)
     written = [optimized] if exported is None else [exported, optimized]
-    outputs = [Output(what, file, make_parents=True) for path in written
-               for what, file in (("model", path), ("model's external data", Path(f"{path}.data")))]
+    outputs = [output for path in written for output in onnx_outputs(path, "model", make_parents=True)]
     return onnx_inputs("exported model", args.exported), outputs
 
 

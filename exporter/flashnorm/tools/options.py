@@ -98,9 +98,10 @@ def file_inputs(what: str, paths: Iterable[str | os.PathLike[str] | None]) -> li
     return [Input(what, Path(p)) for p in paths if p and os.path.exists(p)]
 
 
-def onnx_outputs(path: str | os.PathLike[str], what: str = "output model") -> list[Output]:
+def onnx_outputs(path: str | os.PathLike[str], what: str = "output model", make_parents: bool = False) -> list[Output]:
     """An ONNX output and the external-data file a save may write beside it (`<name>.data`)."""
-    return [Output(what, Path(path)), Output(f"{what}'s external data", Path(os.fspath(path) + ".data"))]
+    return [Output(what, Path(path), make_parents=make_parents),
+            Output(f"{what}'s external data", Path(os.fspath(path) + ".data"), make_parents=make_parents)]
 
 
 def add_model_source_options(parser: argparse.ArgumentParser) -> None:
