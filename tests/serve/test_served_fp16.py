@@ -32,7 +32,7 @@ import tritonclient.http as httpclient  # noqa: E402
 from tritonclient.grpc import model_config_pb2  # noqa: E402
 from tritonclient.utils import InferenceServerException  # noqa: E402
 
-from flashnorm import cli  # noqa: E402
+from flashnorm import cli, files  # noqa: E402
 from flashnorm.serve.bundled_server import BundledTritonServer  # noqa: E402
 from flashnorm.serve.config import parse_model_config  # noqa: E402
 
@@ -306,7 +306,8 @@ def test_tensorrt_repository_checks_requests_before_the_engine(pytriton_venv, fp
         "--name", "smol", "--max-batch-size", str(MAX_BATCH), "--check-requests",
         "--shapes", *(f"{name}:{profile}" for name in ("input_ids", "attention_mask", "position_ids")), "-q",
     ]) == 0
-    assert sorted(p.name for p in repo.iterdir()) == ["README.md", "smol", "smol_checks", "smol_engine"]
+    assert sorted(p.name for p in repo.iterdir()) == sorted([files.MARKER, "README.md", "smol", "smol_checks",
+                                                             "smol_engine"])
     assert parse_model_config((repo / "smol_engine/config.pbtxt").read_text()).platform == "tensorrt_plan"
     assert cli.main(["triton", "--onnx", str(fp16_folded), "--triton-backend", "python", "-o", str(stand_in),
                      "--name", "smol_engine", "--max-batch-size", str(MAX_BATCH), "--threads", str(THREADS), "-q"]) == 0
