@@ -89,6 +89,19 @@ def smollm2_tokenizer():
 
 
 @pytest.fixture(scope="session")
+def smollm2_greedy(smollm2_onnx, smollm2_tokenizer) -> tuple[list[int], list[int]]:
+    """(prompt, the fp32 export's 64 greedy tokens after it) on ONNX Runtime: the reference the
+    folded and the half models' generations are held to, generated once per session (each step
+    reruns the whole sequence: tens of seconds on two cores)."""
+    from models import cache
+
+    from flashnorm.validate import greedy_generate, make_session, tokenize
+
+    prompt = tokenize(cache.SMOLLM2_PROMPT, smollm2_tokenizer)[0]
+    return prompt, greedy_generate(make_session(smollm2_onnx), prompt, cache.SMOLLM2_GREEDY_TOKENS)
+
+
+@pytest.fixture(scope="session")
 def tiny_llama_onnx(session_tmp):
     """A random 2-layer Llama (tests/models/cache.py: TINY_LLAMA), legacy export, no cache."""
     from models import cache

@@ -20,6 +20,9 @@ from typing import Any, Sequence
 import flashnorm
 
 CACHE_ENV = "FLASHNORM_TEST_CACHE"
+# The prompt and length of the SmolLM2 greedy generations (conftest.smollm2_greedy).
+SMOLLM2_PROMPT = "The capital of France is"
+SMOLLM2_GREEDY_TOKENS = 64
 _PACKAGE = Path(flashnorm.__file__).parent
 _TIMINGS: dict[str, float] = {}
 

@@ -23,7 +23,7 @@ import pytest
 from flashnorm.validate import compare_models, greedy_generate, language_model_feeds, make_session, read_signature, tokenize
 from flashnorm.validate.bfloat16 import emulated_session, emulating_runner_factory
 from models import cache
-from test_smollm2 import PROMPT, SITES, TEXT
+from test_smollm2 import SITES, TEXT
 
 pytestmark = pytest.mark.slow
 
@@ -103,9 +103,6 @@ def test_fp16_folded_before_rounding_on_onnxruntime(session_tmp, smollm2_onnx, s
         assert errors[name].top1_agreement >= errors["half"].top1_agreement - TOP1_POINTS / 100
 
 
-GREEDY_TOKENS = 64
-
-
 def _half_session(path, dtype: str):
     """fp16 on ONNX Runtime as it runs the file (as `flashnorm compare --generate` does); bf16
     through the emulation (ONNX Runtime has no bf16 MatMul)."""
@@ -119,19 +116,18 @@ def _agreeing(first: list[int], second: list[int]) -> int:
     return sum(a == b for a, b in zip(first, second))
 
 
-def test_half_64_greedy_tokens(half_models, smollm2_onnx, smollm2_tokenizer):
+def test_half_64_greedy_tokens(half_models, smollm2_greedy):
     """64 greedy tokens from "The capital of France is": the folded and the deferred half models
     each agree with the fp32 original on at least as many tokens as the unfolded half model
     does, minus one; how many agree with the unfolded half model is printed beside it."""
     dtype, models, _, _ = half_models
-    prompt = tokenize(PROMPT, smollm2_tokenizer)[0]
-    original = greedy_generate(make_session(smollm2_onnx), prompt, GREEDY_TOKENS)
-    tokens = {name: greedy_generate(_half_session(path, dtype), prompt, GREEDY_TOKENS) for name, path in models.items()}
+    prompt, original = smollm2_greedy
+    tokens = {name: greedy_generate(_half_session(path, dtype), prompt, len(original)) for name, path in models.items()}
     agreement = {name: {"fp32": _agreeing(generated, original), "half": _agreeing(generated, tokens["half"])}
                  for name, generated in tokens.items()}
-    print(dtype, "tokens agreeing of", GREEDY_TOKENS, agreement)
+    print(dtype, "tokens agreeing of", len(original), agreement)
     for name in ("folded", "deferred"):
-        assert len(tokens[name]) == GREEDY_TOKENS
+        assert len(tokens[name]) == len(original)
         assert agreement[name]["fp32"] >= agreement["half"]["fp32"] - 1, (name, agreement)
 
 
