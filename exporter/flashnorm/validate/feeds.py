@@ -40,6 +40,7 @@ class FeedOptions:
 
     text: str | None = None
     input_ids: str | None = None
+    shipped_text: bool = False
     tokenizer: str | None = None
     batch: int | None = None
     sequence: int | None = None
@@ -70,8 +71,13 @@ def build_feeds(
     batch = DEFAULT_BATCH if options.batch is None else options.batch
     sequence = DEFAULT_SEQUENCE if options.sequence is None else options.sequence
     description: dict[str, Any] = {"seed": seed}
-    if options.text is not None or options.input_ids is not None:
-        if options.text is not None:
+    if options.text is not None or options.input_ids is not None or options.shipped_text:
+        if options.shipped_text:
+            from flashnorm.validate.likelihood import shipped_text
+
+            ids = tokenize(shipped_text(), tokenizer_for(reference, options.tokenizer))
+            description["text"] = f"the shipped public-domain text ({ids.size} tokens)"
+        elif options.text is not None:
             ids = tokenize(options.text, tokenizer_for(reference, options.tokenizer))
             description["text"] = options.text
         else:
@@ -115,6 +121,7 @@ def _random_tensor_feeds(
     reference, which the candidate must take by the same names, dtypes and shapes."""
     token_options = [flag for flag, given in (
         ("--text", options.text is not None), ("--input-ids", options.input_ids is not None),
+        ("--shipped-text", options.shipped_text),
         ("--tokenizer", options.tokenizer is not None), ("--batch", options.batch is not None),
         ("--sequence", options.sequence is not None), ("--past-length", options.past_length != 0),
         ("--generate", options.generate != 0),
