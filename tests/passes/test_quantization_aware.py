@@ -64,7 +64,9 @@ def _one_site(gain: np.ndarray, rng) -> gs.Graph:
     b = GraphBuilder()
     x = helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", "seq", gain.size])
     y = pow_div(b, "x", gain.astype(np.float32), 1e-5)
-    out = b.op("MatMul", [y, b.const(rng.standard_normal((gain.size, 24)).astype(np.float32), "w")])
+    # 256 output columns: the predicted ratio is a mean over W's columns, and with 24 it spread
+    # enough (int4-b32 on the spread gain: 1.14-1.31 over 300 draws) to cross the test's bound.
+    out = b.op("MatMul", [y, b.const(rng.standard_normal((gain.size, 256)).astype(np.float32), "w")])
     return gs.import_onnx(b.model([x], [out]))
 
 
@@ -81,7 +83,7 @@ def test_the_pass_folds_an_even_gain_and_keeps_a_spread_one(fmt, rng):
     graph, (report,) = run_passes(spread, ["fold"], for_quantization=fmt)
     (site,) = report.decisions
     assert site.action == "skipped" and f"kept the gain for {fmt} quantization" in site.reason
-    assert site.details["predicted_error_ratio"] > 1.2
+    assert site.details["predicted_error_ratio"] > 1.15  # 1.21-1.31 over 200 draws of each format
     np.testing.assert_array_equal(run(gs.export_onnx(graph), x)[0], run(model, x)[0])  # untouched
     # Without the option the same site folds.
     graph, (report,) = run_passes(_one_site(np.where(np.arange(128) % 2 == 0, 3.0, 0.5), rng), ["fold"])
