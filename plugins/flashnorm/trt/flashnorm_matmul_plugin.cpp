@@ -274,6 +274,9 @@ bool FlashNormMatMulPlugin::describeProblem(
     }
     problem.eps = mAttributes.eps;
     problem.strategy = static_cast<flashnorm_strategy>(mAttributes.strategy);
+    // AUTO picks for one count at build time (getWorkspaceSize) and at every enqueue, whatever the
+    // device: the one every plan's workspace is sized for.
+    problem.multiprocessors = flashnorm_measured_multiprocessors();
     return problem.k > 0;
 }
 
