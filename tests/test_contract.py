@@ -71,6 +71,18 @@ def test_plugin_fields_match_the_creator():
     assert declared == contract.PLUGIN_FIELDS
 
 
+def test_plans_hold_the_node_fields_and_the_recorded_ones():
+    """What the plugin serializes into a plan (getFieldsToSerialize) is every node field and the
+    fields a build records, each read back by the creator's createPlugin; none of the latter is a
+    node field (the creator declares and the defer pass writes only PLUGIN_FIELDS)."""
+    serialized = dict(re.findall(r'\{\s*"(\w+)"\s*,\s*[^,{}]+,\s*nvinfer1::PluginFieldType::(k\w+)',
+                                 _read("trt/flashnorm_matmul_plugin.cpp")))
+    assert serialized == {**contract.PLUGIN_FIELDS, **contract.PLAN_ONLY_FIELDS}
+    assert not set(contract.PLAN_ONLY_FIELDS) & set(contract.PLUGIN_FIELDS)
+    read = set(re.findall(r'fieldName == "(\w+)"', _read("trt/flashnorm_matmul_creator.cpp")))
+    assert read == set(serialized)
+
+
 def test_deferred_nodes_and_reference_functions_follow_the_contract():
     graph, _ = run_passes(gs.import_onnx(build_norm_model("legacy_torch", np.random.default_rng(0))), ["fold", "defer"])
     model = gs.export_onnx(graph)

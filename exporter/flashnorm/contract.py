@@ -26,6 +26,11 @@ MAX_OUTPUTS = 8  # FLASHNORM_MAX_OUTPUTS in plugins/flashnorm/include/flashnorm/
 # Node attribute → TensorRT plugin field type (nvinfer1::PluginFieldType): every field the
 # creator declares, all written on every node.
 PLUGIN_FIELDS: dict[str, str] = {"eps": "kFLOAT32", "splits": "kINT32", "strategy": "kINT32"}
+# Plugin fields a plan holds beyond the node's: the multiprocessors the plugin records when it is made
+# for a build (the build device's) and serializes, so that AUTO picks for that count, and fits the
+# workspace TensorRT reserved for it, on any GPU the plan runs on. Never written on a node, and not
+# declared by the creator (TensorRT's parser would ask every node for it and warn where it is missing).
+PLAN_ONLY_FIELDS: dict[str, str] = {"multiprocessors": "kINT32"}
 # Activation and weight types the plugin and the kernels take (x and W* share one).
 FLOAT_TYPES = frozenset({"float16", "bfloat16", "float32"})
 # The reference functions use CastLike (opset 15) and model-local functions (IR 8).

@@ -66,6 +66,8 @@ char const* problem_error(flashnorm_problem const* problem)
         return "unknown strategy";
     if (!(problem->eps >= 0.f))
         return "eps must be >= 0";
+    if (problem->multiprocessors < 0)
+        return "multiprocessors must be >= 0 (0: the device's own)";
     return "";
 }
 
@@ -89,19 +91,25 @@ flashnorm::dispatch::Problem dispatch_problem(flashnorm_problem const& problem)
     return converted;
 }
 
-// AUTO's pick and workspace: the dispatch unit's (dispatch/dispatch.cpp, where every crossover is),
-// for the multiprocessors AUTO's boundaries were measured on.
-flashnorm::dispatch::Choice auto_choice(flashnorm_problem const& problem)
+// The multiprocessors AUTO picks for: the problem's count, else (0) `device_multiprocessors`, the
+// device's own (a call's context's, a size's or a resolution's current device's).
+int auto_multiprocessors(flashnorm_problem const& problem, int device_multiprocessors)
 {
-    return flashnorm::dispatch::choose(dispatch_problem(problem), flashnorm::dispatch::measured_multiprocessors(),
-        flashnorm::epilogue_scale_built());
+    return problem.multiprocessors > 0 ? problem.multiprocessors : device_multiprocessors;
 }
 
-flashnorm_strategy resolve(flashnorm_problem const& problem)
+// AUTO's pick and workspace on `multiprocessors` multiprocessors: the dispatch unit's
+// (dispatch/dispatch.cpp, where every crossover is).
+flashnorm::dispatch::Choice auto_choice(flashnorm_problem const& problem, int multiprocessors)
+{
+    return flashnorm::dispatch::choose(dispatch_problem(problem), multiprocessors, flashnorm::epilogue_scale_built());
+}
+
+flashnorm_strategy resolve(flashnorm_problem const& problem, int multiprocessors)
 {
     if (problem.strategy != FLASHNORM_STRATEGY_AUTO)
         return problem.strategy;
-    return static_cast<flashnorm_strategy>(auto_choice(problem).strategy);
+    return static_cast<flashnorm_strategy>(auto_choice(problem, multiprocessors).strategy);
 }
 
 // Bytes `strategy` (resolved, never AUTO) needs for exactly this problem (under AUTO, epilogue-scale
@@ -158,7 +166,7 @@ flashnorm_status enqueue(flashnorm_context* context, flashnorm_problem const* pr
         splits.offsets[i + 1] = splits.offsets[i] + problem->split_sizes[i];
     }
 
-    flashnorm_strategy strategy = resolve(*problem);
+    flashnorm_strategy strategy = resolve(*problem, auto_multiprocessors(*problem, context->sm_count));
     bool const adds = add.residual != nullptr;
     if (strategy == FLASHNORM_STRATEGY_FUSED)
     {
@@ -236,9 +244,10 @@ size_t flashnorm_workspace_size(flashnorm_problem const* problem)
 {
     if (*problem_error(problem) != '\0')
         return 0;
-    // Under AUTO the size also covers every smaller M (dispatch::choose).
+    // Under AUTO the size also covers every smaller M (dispatch::choose) on the same multiprocessors.
     if (problem->strategy == FLASHNORM_STRATEGY_AUTO)
-        return auto_choice(*problem).workspace_bytes;
+        return auto_choice(*problem, auto_multiprocessors(*problem, flashnorm_current_multiprocessors()))
+            .workspace_bytes;
     return workspace_bytes_for(*problem, problem->strategy);
 }
 
@@ -246,7 +255,25 @@ flashnorm_strategy flashnorm_resolve_strategy(flashnorm_problem const* problem)
 {
     if (*problem_error(problem) != '\0')
         return FLASHNORM_STRATEGY_TWO_STREAM;
-    return resolve(*problem);
+    return resolve(*problem, auto_multiprocessors(*problem, flashnorm_current_multiprocessors()));
+}
+
+int32_t flashnorm_current_multiprocessors(void)
+{
+    int device = 0;
+    int count = 0;
+    if (cudaGetDevice(&device) != cudaSuccess
+        || cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, device) != cudaSuccess || count < 1)
+    {
+        cudaGetLastError(); // no GPU or no driver: leave the caller's next CUDA call no error of ours
+        return flashnorm::dispatch::measured_multiprocessors();
+    }
+    return count;
+}
+
+int32_t flashnorm_measured_multiprocessors(void)
+{
+    return flashnorm::dispatch::measured_multiprocessors();
 }
 
 flashnorm_status flashnorm_matmul(flashnorm_context* context, flashnorm_problem const* problem, void const* x,

@@ -28,6 +28,8 @@ ABI = [
     "flashnorm_context_destroy",
     "flashnorm_workspace_size",
     "flashnorm_resolve_strategy",
+    "flashnorm_current_multiprocessors",
+    "flashnorm_measured_multiprocessors",
     "flashnorm_matmul",
     "flashnorm_add_matmul",
     "flashnorm_status_string",
@@ -114,6 +116,9 @@ def test_loads_and_answers_without_a_gpu(built_library):
     else:
         assert status == 4, f"context creation without a GPU must report a CUDA error, got {status}"
         assert not context.value
+        # No device answers: multiprocessors = 0 stands for the count AUTO was measured on.
+        assert library.flashnorm_current_multiprocessors() == library.flashnorm_measured_multiprocessors()
+    assert library.flashnorm_measured_multiprocessors() == _measured_multiprocessors()
 
 
 def test_epilogue_scale_tile_names_listed_in_every_build(built_library, monkeypatch):
@@ -133,41 +138,64 @@ def test_epilogue_scale_tile_names_listed_in_every_build(built_library, monkeypa
         cuda_ops.set_epilogue_scale_tiles("64x48")
 
 
-def _auto_multiprocessors() -> int:
-    """The multiprocessors the library's AUTO counts, on any device or none: the count dispatch.cpp
-    says its boundaries were measured on (capi.cpp passes it to dispatch::choose)."""
+def _measured_multiprocessors() -> int:
+    """The multiprocessors dispatch.cpp says AUTO's boundaries were measured on."""
     policy = (REPO / "plugins" / "flashnorm" / "dispatch" / "dispatch.cpp").read_text()
-    return int(re.search(r"\.one_wave_multiprocessors = (\d+),", policy).group(1))
+    return int(re.search(r"\.measured_multiprocessors = (\d+),", policy).group(1))
 
 
 def test_auto_matches_the_golden_table_through_the_python_binding(built_library, epilogue_scale_built, monkeypatch):
     """The built library's AUTO, asked through flashnorm.cuda_ops and the C ABI (no GPU needed), is the
     dispatch unit's: its strategy at the first and last row of every run of AUTO's golden table
     (tests/plugins/golden/auto_dispatch.csv) for this build, with or without the CUTLASS kernel, and
-    the multiprocessors AUTO counts here, and its workspace size at the run's last row. The boundaries
-    are in plugins/flashnorm/dispatch/dispatch.cpp; test_dispatch_golden.py checks the table against
-    them (and the workspace's cover of every smaller M on every row) without nvcc."""
+    its workspace size at the run's last row, for each multiprocessor count of the table passed as the
+    problem's multiprocessors; and with multiprocessors 0 (the default), the rows of the count the
+    library says that stands for here (current_multiprocessors: without a GPU, the measured 132). The
+    boundaries are in plugins/flashnorm/dispatch/dispatch.cpp; test_dispatch_golden.py checks the
+    table against them (and the workspace's cover of every smaller M on every row) without nvcc."""
     import torch
 
     from flashnorm import cuda_ops
 
     monkeypatch.setenv("FLASHNORM_LIBRARY", str(built_library))
     monkeypatch.setattr(cuda_ops.abi, "_library", None)
-    multiprocessors = _auto_multiprocessors()
+    default = cuda_ops.current_multiprocessors()
     with GOLDEN.open(newline="") as file:
-        runs = [row for row in csv.DictReader(file) if row["epilogue_scale_built"] == str(int(epilogue_scale_built))
-                and int(row["multiprocessors"]) == multiprocessors]
-    if not runs:
-        pytest.skip(f"AUTO's golden table has no rows for {multiprocessors} multiprocessors")
+        runs = [row for row in csv.DictReader(file) if row["epilogue_scale_built"] == str(int(epilogue_scale_built))]
+    counts = {int(run["multiprocessors"]) for run in runs}
+    assert {_measured_multiprocessors(), 114, 78} <= counts
     dtypes = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
     for run in runs:
         k, splits, dtype = int(run["k"]), [int(size) for size in run["splits"].split("|")], dtypes[run["dtype"]]
-        label = (run["site"], run["dtype"])
-        for m in (int(run["m_from"]), int(run["m_to"])):
-            assert cuda_ops.resolve_strategy(m, k, sum(splits), dtype, splits) == run["strategy"], (*label, m)
-        last = int(run["m_to"])
-        assert cuda_ops.workspace_size(last, k, splits, dtype) == int(run["workspace_bytes_at_m_to"]), (*label, last)
+        count, last = int(run["multiprocessors"]), int(run["m_to"])
+        for multiprocessors in (count, 0) if count == default else (count,):
+            label = (run["site"], run["dtype"], count, multiprocessors)
+            for m in (int(run["m_from"]), last):
+                picked = cuda_ops.resolve_strategy(m, k, sum(splits), dtype, splits, multiprocessors)
+                assert picked == run["strategy"], (*label, m)
+            workspace = cuda_ops.workspace_size(last, k, splits, dtype, multiprocessors=multiprocessors)
+            assert workspace == int(run["workspace_bytes_at_m_to"]), (*label, last)
     assert cuda_ops.join_dropped() is False
+
+
+def test_negative_multiprocessors_make_a_malformed_problem(built_library):
+    """The C ABI refuses a negative count as it refuses any malformed problem (workspace size 0),
+    and the binding refuses it before asking."""
+    import torch
+
+    from flashnorm import cuda_ops
+    from flashnorm.cuda_ops.abi import Problem
+    from flashnorm.errors import FlashNormError
+
+    library = ctypes.CDLL(str(built_library))
+    library.flashnorm_workspace_size.restype = ctypes.c_size_t
+    problem = Problem(m=64, k=576, n=960, num_outputs=1, dtype=2, eps=1e-6)
+    problem.split_sizes[0] = 960
+    for multiprocessors, malformed in ((0, False), (78, False), (-1, True)):
+        problem.multiprocessors = multiprocessors
+        assert (library.flashnorm_workspace_size(ctypes.byref(problem)) == 0) == malformed, multiprocessors
+    with pytest.raises(FlashNormError, match="multiprocessors must be >= 0"):
+        cuda_ops.workspace_size(64, 576, [960], torch.bfloat16, multiprocessors=-1)
 
 
 @pytest.fixture(scope="module")

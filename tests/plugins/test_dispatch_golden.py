@@ -63,7 +63,7 @@ def test_golden_table_covers_every_site_and_row():
         blocks.setdefault(key, []).append(row)
     assert len({key[0] for key in blocks}) >= 17
     assert {key[1] for key in blocks} == {"f32", "f16", "bf16"}
-    assert "132" in {key[2] for key in blocks}
+    assert {"132", "114", "78"} <= {key[2] for key in blocks}
     last = max(int(row["m_to"]) for row in rows)
     for key, runs in blocks.items():
         assert int(runs[0]["m_from"]) == 1, key
@@ -72,3 +72,45 @@ def test_golden_table_covers_every_site_and_row():
             assert int(before["m_to"]) < int(after["m_from"]), key
             pick = ("strategy", "tiles", "workspace")
             assert [before[c] for c in pick] != [after[c] for c in pick], key
+
+
+def _strategy_runs(runs: list[dict]) -> list[tuple[int, int, str]]:
+    """A block's runs merged where only the tiles or the workspace change: (m_from, m_to, strategy)."""
+    merged: list[list] = []
+    for run in runs:
+        if merged and merged[-1][2] == run["strategy"]:
+            merged[-1][1] = int(run["m_to"])
+        else:
+            merged.append([int(run["m_from"]), int(run["m_to"]), run["strategy"]])
+    return [tuple(run) for run in merged]
+
+
+def test_auto_picks_for_the_multiprocessors_it_is_given():
+    """Only AUTO's epilogue-scale region counts multiprocessors (where its tiles run in one wave): with
+    the CUTLASS kernel, 114 and 78 multiprocessors move some rows into or out of it against the 132
+    its boundaries were measured on, and every row they move has epilogue_scale on one side; without
+    it, every block is the 132 one's, row for row and byte for byte."""
+    with GOLDEN.open(newline="") as file:
+        rows = list(csv.DictReader(file))
+    blocks: dict[tuple, list[dict]] = {}
+    for row in rows:
+        key = (row["site"], row["dtype"], row["epilogue_scale_built"], row["multiprocessors"])
+        blocks.setdefault(key, []).append(row)
+    moved = {"114": 0, "78": 0}
+    for (site, dtype, built, count), runs in blocks.items():
+        if count == "132":
+            continue
+        measured = blocks[(site, dtype, built, "132")]
+        if built == "0":
+            drop_count = [{**run, "multiprocessors": "132"} for run in runs]
+            assert drop_count == measured, (site, dtype, count)
+            continue
+        here, there = _strategy_runs(runs), _strategy_runs(measured)
+        if here == there:
+            continue
+        moved[count] += 1
+        edges = {m for m_from, m_to, _ in here + there for m in (m_from, m_to)}
+        for m in edges:
+            picks = {next(s for m_from, m_to, s in block if m_from <= m <= m_to) for block in (here, there)}
+            assert len(picks) == 1 or "epilogue_scale" in picks, (site, dtype, count, m, picks)
+    assert moved["114"] > 0 and moved["78"] > 0, moved

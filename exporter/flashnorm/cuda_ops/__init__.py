@@ -34,6 +34,7 @@ from flashnorm.cuda_ops import abi, library, lowering, ops, testing
 from flashnorm.cuda_ops.abi import DEFAULT_LIBRARY, library_path
 from flashnorm.cuda_ops.library import (
     STRATEGIES,
+    current_multiprocessors,
     flashnorm_add_matmul,
     flashnorm_matmul,
     resolve_strategy,
@@ -52,9 +53,9 @@ from flashnorm.cuda_ops.testing import (
 )
 
 __all__ = [
-    "DEFAULT_LIBRARY", "STRATEGIES", "abi", "add_inductor_form", "add_matmul_op", "epilogue_scale_tile_names",
-    "flashnorm_add_matmul", "flashnorm_matmul", "inductor_form", "join_dropped", "library", "library_add_op",
-    "library_op", "library_path", "lowering", "matmul_op", "ops", "prenorm_form", "reference_add",
-    "reference_matmul", "resolve_strategy", "set_epilogue_scale_tiles", "set_fused_tuning", "set_side_delay",
-    "strategy_available", "testing", "warm_up", "workspace_size",
+    "DEFAULT_LIBRARY", "STRATEGIES", "abi", "add_inductor_form", "add_matmul_op", "current_multiprocessors",
+    "epilogue_scale_tile_names", "flashnorm_add_matmul", "flashnorm_matmul", "inductor_form", "join_dropped",
+    "library", "library_add_op", "library_op", "library_path", "lowering", "matmul_op", "ops", "prenorm_form",
+    "reference_add", "reference_matmul", "resolve_strategy", "set_epilogue_scale_tiles", "set_fused_tuning",
+    "set_side_delay", "strategy_available", "testing", "warm_up", "workspace_size",
 ]

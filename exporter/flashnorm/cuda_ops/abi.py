@@ -69,6 +69,7 @@ class Problem(ctypes.Structure):
         ("dtype", ctypes.c_int),
         ("eps", ctypes.c_float),
         ("strategy", ctypes.c_int),
+        ("multiprocessors", ctypes.c_int32),
     ]
 
 
@@ -89,6 +90,7 @@ PROTOTYPES: dict[str, tuple[type | None, list[type]]] = {
     "flashnorm_context_create": (ctypes.c_int, [ctypes.POINTER(ctypes.c_void_p)]),
     "flashnorm_workspace_size": (ctypes.c_size_t, [ctypes.POINTER(Problem)]),
     "flashnorm_resolve_strategy": (ctypes.c_int, [ctypes.POINTER(Problem)]),
+    "flashnorm_current_multiprocessors": (ctypes.c_int32, []),
     "flashnorm_matmul": (ctypes.c_int, _MATMUL_ARGS),
     # ... with the residual and the sum after x
     "flashnorm_add_matmul": (ctypes.c_int, _MATMUL_ARGS[:3] + [ctypes.c_void_p, ctypes.c_void_p] + _MATMUL_ARGS[3:]),

@@ -68,13 +68,17 @@ def warm_up(device: torch.device | int | None = None) -> None:
     context(cuda_device(device))
 
 
-def _problem(m: int, k: int, splits: Sequence[int], dtype: torch.dtype, eps: float, strategy: str) -> Problem:
+def _problem(
+    m: int, k: int, splits: Sequence[int], dtype: torch.dtype, eps: float, strategy: str, multiprocessors: int = 0
+) -> Problem:
     if dtype not in _DTYPES:
         raise FlashNormError(f"dtype {dtype} is not supported; supported: float32, float16, bfloat16")
     if strategy not in STRATEGIES:
         raise FlashNormError(f"strategy {strategy!r} is unknown; known: {sorted(STRATEGIES)}")
     if not 1 <= len(splits) <= MAX_OUTPUTS:
         raise FlashNormError(f"{len(splits)} splits requested; 1 to {MAX_OUTPUTS} are supported")
+    if multiprocessors < 0:
+        raise FlashNormError(f"multiprocessors must be >= 0 (0: the device's own), not {multiprocessors}")
     problem = Problem()
     problem.m = m
     problem.k = k
@@ -85,28 +89,50 @@ def _problem(m: int, k: int, splits: Sequence[int], dtype: torch.dtype, eps: flo
     problem.dtype = _DTYPES[dtype]
     problem.eps = eps
     problem.strategy = STRATEGIES[strategy]
+    problem.multiprocessors = multiprocessors
     return problem
 
 
 def resolve_strategy(
-    m: int, k: int, n: int, dtype: torch.dtype = torch.bfloat16, splits: Sequence[int] | None = None
+    m: int,
+    k: int,
+    n: int,
+    dtype: torch.dtype = torch.bfloat16,
+    splits: Sequence[int] | None = None,
+    multiprocessors: int = 0,
 ) -> str:
     """The strategy ``"auto"`` picks for an [m, k] × [k, n] problem split into ``splits`` (None: one
-    output): ``"fused"``, ``"two_stream"``, ``"prenorm"`` (which depends on the narrowest split) or,
-    in builds with the CUTLASS kernel, ``"epilogue_scale"``."""
+    output) on a device of ``multiprocessors`` multiprocessors (0: the current device's, or the H200's
+    132 AUTO was measured on where no device answers; ``current_multiprocessors``): ``"fused"``,
+    ``"two_stream"``, ``"prenorm"`` (which depends on the narrowest split) or, in builds with the
+    CUTLASS kernel, ``"epilogue_scale"``."""
     splits = [n] if splits is None else [int(size) for size in splits]
     if sum(splits) != n:
         raise FlashNormError(f"splits {splits} must sum to N={n}")
-    problem = _problem(m, k, splits, dtype, 1e-6, "auto")
+    problem = _problem(m, k, splits, dtype, 1e-6, "auto", multiprocessors)
     return _STRATEGY_NAMES[load().flashnorm_resolve_strategy(ctypes.byref(problem))]
 
 
 def workspace_size(
-    m: int, k: int, splits: Sequence[int], dtype: torch.dtype = torch.bfloat16, strategy: str = "auto"
+    m: int,
+    k: int,
+    splits: Sequence[int],
+    dtype: torch.dtype = torch.bfloat16,
+    strategy: str = "auto",
+    multiprocessors: int = 0,
 ) -> int:
-    """Bytes of device workspace a call needs for this problem or any smaller m (0 for the fused kernel)."""
-    problem = _problem(m, k, [int(size) for size in splits], dtype, 1e-6, strategy)
+    """Bytes of device workspace a call needs for this problem or any smaller m (0 for the fused
+    kernel), under ``"auto"`` on a device of ``multiprocessors`` multiprocessors (0 as in
+    ``resolve_strategy``)."""
+    problem = _problem(m, k, [int(size) for size in splits], dtype, 1e-6, strategy, multiprocessors)
     return int(load().flashnorm_workspace_size(ctypes.byref(problem)))
+
+
+def current_multiprocessors() -> int:
+    """The multiprocessors ``multiprocessors=0`` stands for in ``resolve_strategy`` and
+    ``workspace_size``: the current CUDA device's, or the H200's 132 AUTO was measured on where no
+    device answers."""
+    return int(load().flashnorm_current_multiprocessors())
 
 
 def strategy_available(strategy: str, device: torch.device | int | None = None) -> bool:
@@ -200,6 +226,8 @@ def _library_call(
                 raise FlashNormError("output tensors must be contiguous")
     lib = load()
     handle = context(x.device)
+    # multiprocessors 0, the device's own, in the size and the call alike: the size asks the current
+    # device, the call its context's, and the call refuses to run where they are not one device.
     problem = _problem(m, k, splits, x.dtype, eps, strategy)
     workspace_bytes = lib.flashnorm_workspace_size(ctypes.byref(problem))
     workspace = torch.empty(max(workspace_bytes, 1), dtype=torch.uint8, device=x.device)

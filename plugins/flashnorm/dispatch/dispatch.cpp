@@ -123,14 +123,15 @@ struct AutoBoundaries
     int64_t epilogue_scale_long_k;
     int64_t epilogue_scale_one_run_max_weight;
     // ... and for any K from epilogue_scale_one_wave_min_rows rows wherever its tiles (as
-    // epilogue_scale_tiles picks them) run in one wave that one_wave_rule takes: at least
-    // epilogue_scale_one_wave_fill_percent % full, except 64-row tiles that sum the rows in the main
-    // loop on long K beyond one row block, and 128-row tiles whose last row block is less than
-    // epilogue_scale_last_block_sixteenths / 16 full (there two_stream's cuBLAS tiles measured
-    // faster); 128×192 tiles at least epilogue_scale_192_column_fill_percent % full with a last row
-    // block at least epilogue_scale_192_column_last_block_sixteenths / 16 full; 128×96 tiles in
-    // clusters of two with a last row block at least epilogue_scale_96_column_last_block_sixteenths
-    // / 16 full, or any last row block from epilogue_scale_96_column_row_blocks row blocks.
+    // epilogue_scale_tiles picks them on the device's multiprocessors) run in one wave that
+    // one_wave_rule takes: at least epilogue_scale_one_wave_fill_percent % full, except 64-row tiles
+    // that sum the rows in the main loop on long K beyond one row block, and 128-row tiles whose last
+    // row block is less than epilogue_scale_last_block_sixteenths / 16 full (there two_stream's
+    // cuBLAS tiles measured faster); 128×192 tiles at least epilogue_scale_192_column_fill_percent %
+    // full with a last row block at least epilogue_scale_192_column_last_block_sixteenths / 16 full;
+    // 128×96 tiles in clusters of two with a last row block at least
+    // epilogue_scale_96_column_last_block_sixteenths / 16 full, or any last row block from
+    // epilogue_scale_96_column_row_blocks row blocks.
     int64_t epilogue_scale_one_wave_min_rows;
     int64_t epilogue_scale_one_wave_fill_percent;
     int64_t epilogue_scale_last_block_sixteenths;
@@ -138,8 +139,9 @@ struct AutoBoundaries
     int64_t epilogue_scale_192_column_last_block_sixteenths;
     int64_t epilogue_scale_96_column_last_block_sixteenths;
     int64_t epilogue_scale_96_column_row_blocks;
-    // The multiprocessors the one-wave rule counts: the H200's, where it was measured.
-    int one_wave_multiprocessors;
+    // The multiprocessors of the H200, where these boundaries were measured (the one-wave rule
+    // counts the device's): measured_multiprocessors().
+    int measured_multiprocessors;
 };
 
 constexpr AutoBoundaries kAuto{
@@ -165,7 +167,7 @@ constexpr AutoBoundaries kAuto{
     .epilogue_scale_192_column_last_block_sixteenths = 12,
     .epilogue_scale_96_column_last_block_sixteenths = 8,
     .epilogue_scale_96_column_row_blocks = 4,
-    .one_wave_multiprocessors = 132,
+    .measured_multiprocessors = 132,
 };
 
 // ---- Tiles ----
@@ -321,8 +323,8 @@ bool epilogue_scale_one_wave_taken(Problem const& problem, int multiprocessors)
     return tile.rows < kTallRows || 16 * last_block_rows >= rule.last_block_sixteenths * tile.rows;
 }
 
-// AUTO's epilogue-scale region.
-bool picks_epilogue_scale(Problem const& problem, bool built)
+// AUTO's epilogue-scale region on a device of `multiprocessors` multiprocessors.
+bool picks_epilogue_scale(Problem const& problem, int multiprocessors, bool built)
 {
     if (!epilogue_scale_fits(problem, built))
         return false;
@@ -335,14 +337,14 @@ bool picks_epilogue_scale(Problem const& problem, bool built)
         && (several_runs ? problem.k >= kAuto.epilogue_scale_long_k : epilogue_scale_one_run_long_k(problem, built)))
         return true;
     return problem.m >= kAuto.epilogue_scale_one_wave_min_rows
-        && epilogue_scale_one_wave_taken(problem, kAuto.one_wave_multiprocessors);
+        && epilogue_scale_one_wave_taken(problem, multiprocessors);
 }
 
-Strategy resolve(Problem const& problem, bool built)
+Strategy resolve(Problem const& problem, int multiprocessors, bool built)
 {
     if (problem.m >= prenorm_min_rows(problem, built))
         return Strategy::kPrenorm;
-    if (picks_epilogue_scale(problem, built))
+    if (picks_epilogue_scale(problem, multiprocessors, built))
         return Strategy::kEpilogueScale;
     bool const tensor_cores = problem.dtype != DType::kF32 && fused_tensor_core_shape(problem.k, problem.n);
     int64_t const weight = problem.k * problem.n;
@@ -360,8 +362,7 @@ size_t round_up(size_t bytes)
 
 Choice choose(Problem const& problem, int multiprocessors, bool epilogue_scale_built)
 {
-    (void) multiprocessors;
-    Strategy const strategy = resolve(problem, epilogue_scale_built);
+    Strategy const strategy = resolve(problem, multiprocessors, epilogue_scale_built);
     size_t bytes = workspace_bytes(problem, strategy, true);
     int64_t const threshold = prenorm_min_rows(problem, epilogue_scale_built);
     if (problem.m >= threshold)
@@ -370,7 +371,7 @@ Choice choose(Problem const& problem, int multiprocessors, bool epilogue_scale_b
         // strategy's own size grows with M, so its largest M below the threshold is the one to cover.
         Problem below = problem;
         below.m = threshold - 1;
-        bytes = std::max(bytes, workspace_bytes(below, resolve(below, epilogue_scale_built), true));
+        bytes = std::max(bytes, workspace_bytes(below, resolve(below, multiprocessors, epilogue_scale_built), true));
     }
     return {strategy, bytes};
 }
@@ -399,7 +400,7 @@ size_t workspace_bytes(Problem const& problem, Strategy strategy, bool under_aut
 
 int measured_multiprocessors()
 {
-    return kAuto.one_wave_multiprocessors;
+    return kAuto.measured_multiprocessors;
 }
 
 int split_runs(int32_t split_count, int64_t const* split_sizes, SplitRun (&runs)[kMaxOutputs])

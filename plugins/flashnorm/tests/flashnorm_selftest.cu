@@ -1,6 +1,7 @@
 // Runs every strategy of the C ABI on small problems (all dtypes, several splits, tails in K
-// and N, M above one row pass, a delayed side stream, a CUDA-graph capture) and compares each
-// output element with a float64 host reference. Small on purpose: it runs under compute-sanitizer.
+// and N, M above one row pass, a delayed side stream, a CUDA-graph capture, AUTO on a given
+// multiprocessor count in the workspace sized for that count) and compares each output element with
+// a float64 host reference. Small on purpose: it runs under compute-sanitizer.
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
@@ -88,6 +89,7 @@ struct Case
     bool captured;
     int32_t strip_cols = 0; // the fused kernel's layout, forced where non-zero
     int32_t cluster_size = 0;
+    int32_t multiprocessors = 0; // AUTO's count (flashnorm_problem.multiprocessors; 0: the device's)
 };
 
 void run_case(flashnorm_context* context, std::mt19937& rng, Case const& c)
@@ -104,6 +106,7 @@ void run_case(flashnorm_context* context, std::mt19937& rng, Case const& c)
     problem.dtype = c.dtype;
     problem.eps = 1e-5f;
     problem.strategy = c.strategy;
+    problem.multiprocessors = c.multiprocessors;
     int64_t const m = c.m, k = c.k, n = problem.n;
     size_t const bytes = element_bytes(c.dtype);
 
@@ -199,9 +202,10 @@ void run_case(flashnorm_context* context, std::mt19937& rng, Case const& c)
     bool const ok = worst <= tolerance(c.dtype);
     g_failures += ok ? 0 : 1;
     std::printf("%s %-4s %-10s m=%-3lld k=%-4lld n=%-4lld outputs=%zu delay=%lld graph=%d strip=%d cluster=%d "
-                "worst=%.3g\n",
+                "multiprocessors=%d workspace=%zu worst=%.3g\n",
         ok ? "ok  " : "FAIL", name(c.dtype), strategy_name(c.strategy), (long long)m, (long long)k, (long long)n,
-        c.splits.size(), (long long)c.side_delay, int(c.captured), c.strip_cols, c.cluster_size, worst);
+        c.splits.size(), (long long)c.side_delay, int(c.captured), c.strip_cols, c.cluster_size, c.multiprocessors,
+        workspace_bytes, worst);
 
     SELFTEST_CUDA(cudaStreamDestroy(stream));
     SELFTEST_CUDA(cudaFree(x_device));
@@ -228,6 +232,7 @@ int main()
     auto const two = FLASHNORM_STRATEGY_TWO_STREAM;
     auto const prenorm = FLASHNORM_STRATEGY_PRENORM;
     auto const epilogue = FLASHNORM_STRATEGY_EPILOGUE_SCALE;
+    auto const automatic = FLASHNORM_STRATEGY_AUTO;
     std::vector<Case> cases = {
         {FLASHNORM_DTYPE_F32, fused, 3, 100, {30, 41}, 0, false},
         {FLASHNORM_DTYPE_F32, two, 3, 100, {30, 41}, 0, false},
@@ -251,6 +256,12 @@ int main()
         {FLASHNORM_DTYPE_BF16, fused, 11, 264, {88}, 0, false, 32, 4},     // ... two token groups, a cluster
         {FLASHNORM_DTYPE_F16, fused, 2, 1030, {96, 40}, 0, false, 32, 8},  // ... N tail, K tail
         {FLASHNORM_DTYPE_F16, fused, 16, 130, {72}, 0, true, 32, 2},       // ... captured
+        // AUTO for a device of 78 multiprocessors, whatever this one has: the fused kernel in no
+        // workspace (the size asked for 78); on 132 it would take the epilogue-scale GEMM, which
+        // needs one. Then the same on 132 and on this device's own count.
+        {FLASHNORM_DTYPE_F16, automatic, 16, 576, {1536, 1536}, 0, false, 0, 0, 78},
+        {FLASHNORM_DTYPE_F16, automatic, 16, 576, {1536, 1536}, 0, false, 0, 0, 132},
+        {FLASHNORM_DTYPE_F16, automatic, 16, 576, {1536, 1536}, 0, false, 0, 0, 0},
     };
     if (flashnorm_strategy_available(context, epilogue))
     {

@@ -9,13 +9,15 @@
  * plain dlopen → self-registration), the creator is found exactly once, plugins are created
  * from fields in the build and runtime phases, the build capability answers types and
  * formats, getFieldsToSerialize round-trips through createPlugin, clone keeps the fields, bad
- * fields are refused.
+ * fields are refused; the multiprocessors a build records (the current device's) reach the plan,
+ * whose plugin asks the workspace the building one asked, and a plan without them gets 132.
  *
  * GPU part (--gpu): attachToContext with a dummy resource context, onShapeChange and enqueue
  * on device buffers at SmolLM2-135M's projection shapes (K=576 → q|k|v = 576+192+192 and
  * gate|up = 1536+1536) in fp32/fp16/bf16 and every strategy, checked against a float64 CPU
  * reference; the enqueue captured in a CUDA graph and replayed on fresh inputs; two attached
- * contexts enqueued concurrently on two streams, both checked.
+ * contexts enqueued concurrently on two streams, both checked; plans recorded on 78, 114 and 132
+ * multiprocessors enqueued in the workspace each asked for, whatever the device's count.
  *
  * Prints one line per check and exits non-zero if any failed.
  */
@@ -31,6 +33,7 @@
 #include <cstdio>
 #include <cstring>
 #include <memory>
+#include <optional>
 #include <random>
 #include <string>
 #include <vector>
@@ -42,6 +45,10 @@ using namespace nvinfer1;
 char const* const kNamePrefix = "FlashNormMatMul";
 char const* const kVersion = "1";
 char const* const kNamespace = "flashnorm";
+
+// The multiprocessors AUTO's boundaries were measured on (an H200's): what a plan serialized before
+// the plugin recorded its build device's count had its workspace sized for.
+constexpr int32_t kMeasuredMultiprocessors = 132;
 
 int gFailures = 0;
 int gChecks = 0;
@@ -83,22 +90,30 @@ public:
     }
 };
 
+/* A plugin's fields: a node's (no multiprocessors) or a plan's (with them). */
 struct Fields
 {
     float eps;
     std::vector<int32_t> splits;
     int32_t strategy;
+    std::optional<int32_t> multiprocessors;
     std::vector<PluginField> list;
     PluginFieldCollection collection{};
 
-    Fields(float eps_, std::vector<int32_t> splits_, int32_t strategy_)
+    Fields(float eps_, std::vector<int32_t> splits_, int32_t strategy_,
+        std::optional<int32_t> multiprocessors_ = std::nullopt)
         : eps(eps_)
         , splits(std::move(splits_))
         , strategy(strategy_)
+        , multiprocessors(multiprocessors_)
     {
         list = {{"eps", &eps, PluginFieldType::kFLOAT32, 1},
             {"splits", splits.data(), PluginFieldType::kINT32, static_cast<int32_t>(splits.size())},
             {"strategy", &strategy, PluginFieldType::kINT32, 1}};
+        if (multiprocessors)
+        {
+            list.push_back({"multiprocessors", &*multiprocessors, PluginFieldType::kINT32, 1});
+        }
         collection = {static_cast<int32_t>(list.size()), list.data()};
     }
 };
@@ -110,6 +125,7 @@ struct SerializedFields
     float eps{0};
     std::vector<int32_t> splits;
     int32_t strategy{-1};
+    int32_t multiprocessors{-1};
 };
 
 SerializedFields readSerialized(PluginFieldCollection const* fc)
@@ -140,14 +156,45 @@ SerializedFields readSerialized(PluginFieldCollection const* fc)
             out.strategy = *static_cast<int32_t const*>(f.data);
             ++seen;
         }
+        else if (name == "multiprocessors" && f.type == PluginFieldType::kINT32 && f.length == 1)
+        {
+            out.multiprocessors = *static_cast<int32_t const*>(f.data);
+            ++seen;
+        }
     }
-    out.ok = seen == 3;
+    out.ok = seen == 4;
     return out;
 }
 
+/* The serialized fields are `want`'s (its multiprocessors where it has them). */
 bool sameFields(SerializedFields const& got, Fields const& want)
 {
-    return got.ok && got.eps == want.eps && got.splits == want.splits && got.strategy == want.strategy;
+    return got.ok && got.eps == want.eps && got.splits == want.splits && got.strategy == want.strategy
+        && (!want.multiprocessors || got.multiprocessors == *want.multiprocessors);
+}
+
+/* What a plugin serializes. */
+SerializedFields serializedBy(IPluginV3* plugin)
+{
+    auto* runtime = plugin == nullptr ? nullptr
+                                      : static_cast<IPluginV3OneRuntime*>(
+                                          plugin->getCapabilityInterface(PluginCapabilityType::kRUNTIME));
+    return runtime == nullptr ? SerializedFields{} : readSerialized(runtime->getFieldsToSerialize());
+}
+
+/* The current device's multiprocessors, or the measured count where no device answers (the count a
+ * build records). */
+int32_t currentMultiprocessors()
+{
+    int device = 0;
+    int count = 0;
+    if (cudaGetDevice(&device) != cudaSuccess
+        || cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, device) != cudaSuccess || count < 1)
+    {
+        cudaGetLastError();
+        return kMeasuredMultiprocessors;
+    }
+    return count;
 }
 
 template <typename T>
@@ -183,6 +230,19 @@ DynamicPluginTensorDesc makeDynamic(std::vector<int64_t> const& dims, DataType t
     d.desc = makeDesc(dims, type);
     d.min = d.opt = d.max = d.desc.dims;
     return d;
+}
+
+/* The workspace `plugin` asks for SmolLM2-135M's gate|up (K = 576, 1536 + 1536) in fp16 on
+ * x[1, rows, 576]: where AUTO's pick depends on the multiprocessors (the fused kernel, no workspace,
+ * to 16 rows on 78 of them; the epilogue-scale GEMM from 9 rows on 132, in builds with CUTLASS). */
+size_t gateUpWorkspace(IPluginV3* plugin, int64_t rows)
+{
+    auto* build = capability<IPluginV3OneBuild>(plugin, PluginCapabilityType::kBUILD);
+    std::vector<DynamicPluginTensorDesc> in
+        = {makeDynamic({1, rows, 576}, DataType::kHALF), makeDynamic({576, 3072}, DataType::kHALF)};
+    std::vector<DynamicPluginTensorDesc> out
+        = {makeDynamic({1, rows, 1536}, DataType::kHALF), makeDynamic({1, rows, 1536}, DataType::kHALF)};
+    return build == nullptr ? 0 : build->getWorkspaceSize(in.data(), 2, out.data(), 2);
 }
 
 /* ------------------------------------------------------------------------------------ CPU */
@@ -224,9 +284,9 @@ void cpuChecks(IPluginRegistry* registry)
             && std::string(names->fields[1].name) == "splits" && names->fields[1].type == PluginFieldType::kINT32
             && std::string(names->fields[2].name) == "strategy" && names->fields[2].type == PluginFieldType::kINT32;
     }
-    check(fieldsOk, "getFieldNames = eps FLOAT32, splits INT32, strategy INT32");
+    check(fieldsOk, "getFieldNames = eps FLOAT32, splits INT32, strategy INT32 (multiprocessors is recorded, not declared)");
 
-    Fields qkv(1e-5F, {576, 192, 192}, 1);
+    Fields qkv(1e-5F, {576, 192, 192}, 1, 114);
     for (TensorRTPhase phase : {TensorRTPhase::kBUILD, TensorRTPhase::kRUNTIME})
     {
         char const* phaseName = phase == TensorRTPhase::kBUILD ? "build" : "runtime";
@@ -291,8 +351,9 @@ void cpuChecks(IPluginRegistry* registry)
         }
 
         SerializedFields serialized = readSerialized(runtime->getFieldsToSerialize());
-        check(sameFields(serialized, qkv), std::string("getFieldsToSerialize returns eps, splits, strategy as given, ") + phaseName);
-        Fields again(serialized.eps, serialized.splits, serialized.strategy);
+        check(sameFields(serialized, qkv),
+            std::string("getFieldsToSerialize returns eps, splits, strategy, multiprocessors as given, ") + phaseName);
+        Fields again(serialized.eps, serialized.splits, serialized.strategy, serialized.multiprocessors);
         std::unique_ptr<IPluginV3> restored(creator->createPlugin("layer0.qkv", &again.collection, TensorRTPhase::kRUNTIME));
         check(restored != nullptr
                 && sameFields(readSerialized(capability<IPluginV3OneRuntime>(restored.get(), PluginCapabilityType::kRUNTIME)
@@ -330,6 +391,39 @@ void cpuChecks(IPluginRegistry* registry)
         check(plugin != nullptr, "INT64 splits (Python-built fields) are accepted");
     }
     {
+        // A node's fields hold no multiprocessors: a build records the current device's, and a plan
+        // serialized before the plugin recorded them gets the count its workspace was sized for.
+        Fields node(1e-6F, {1536, 1536}, 0);
+        std::unique_ptr<IPluginV3> built(creatorFor(registry, 2)->createPlugin("layer0.mlp", &node.collection, TensorRTPhase::kBUILD));
+        int32_t const device = currentMultiprocessors();
+        check(serializedBy(built.get()).multiprocessors == device,
+            "a build records the current device's multiprocessors (" + std::to_string(device) + ")");
+        std::unique_ptr<IPluginV3> old(creatorFor(registry, 2)->createPlugin("layer0.mlp", &node.collection, TensorRTPhase::kRUNTIME));
+        check(serializedBy(old.get()).multiprocessors == kMeasuredMultiprocessors,
+            "a plan without multiprocessors picks for the 132 its workspace was sized for");
+    }
+    {
+        // Builds on devices of 78, 114 and 132 multiprocessors: each plan's plugin (made from the
+        // fields the build serialized, runtime phase) asks the workspace the building plugin asked.
+        bool same = true;
+        for (int32_t recorded : {78, 114, 132})
+        {
+            Fields build(1e-6F, {1536, 1536}, 0, recorded);
+            std::unique_ptr<IPluginV3> built(creatorFor(registry, 2)->createPlugin("layer0.mlp", &build.collection, TensorRTPhase::kBUILD));
+            SerializedFields const serialized = serializedBy(built.get());
+            Fields plan(serialized.eps, serialized.splits, serialized.strategy, serialized.multiprocessors);
+            std::unique_ptr<IPluginV3> restored(creatorFor(registry, 2)->createPlugin("layer0.mlp", &plan.collection, TensorRTPhase::kRUNTIME));
+            same = same && built != nullptr && restored != nullptr;
+            for (int64_t rows : {9, 16, 64, 320})
+            {
+                same = same && gateUpWorkspace(built.get(), rows) == gateUpWorkspace(restored.get(), rows);
+            }
+            std::printf("INFO workspace for SmolLM2 gate|up fp16 at 16 rows, %d multiprocessors recorded: %zu bytes\n",
+                recorded, built ? gateUpWorkspace(built.get(), 16) : 0);
+        }
+        check(same, "builds recording 78, 114 and 132 multiprocessors: each plan's plugin asks the building plugin's workspace");
+    }
+    {
         float eps = 1e-5F;
         PluginField list[1] = {{"eps", &eps, PluginFieldType::kFLOAT32, 1}};
         PluginFieldCollection fc{1, list};
@@ -349,6 +443,12 @@ void cpuChecks(IPluginRegistry* registry)
         Fields twoSplits(1e-5F, {576, 192}, 0);
         std::unique_ptr<IPluginV3> plugin4(creator->createPlugin("arity", &twoSplits.collection, TensorRTPhase::kBUILD));
         check(plugin4 == nullptr, "FlashNormMatMul3 refuses splits of 2 sizes");
+        for (int32_t multiprocessors : {0, -8})
+        {
+            Fields badMultiprocessors(1e-5F, {576}, 0, multiprocessors);
+            std::unique_ptr<IPluginV3> plugin5(creatorFor(registry, 1)->createPlugin("multiprocessors", &badMultiprocessors.collection, TensorRTPhase::kRUNTIME));
+            check(plugin5 == nullptr, "createPlugin refuses multiprocessors " + std::to_string(multiprocessors));
+        }
     }
 }
 
@@ -583,9 +683,12 @@ struct Attached
     std::vector<PluginTensorDesc> in, out;
 };
 
-bool attach(IPluginRegistry* registry, Problem const& p, int32_t strategy, DummyResourceContext& context, Attached& a)
+/* A plan's plugin, attached: made from a plan's fields (`multiprocessors` recorded, or none as in a
+ * plan serialized before the plugin recorded them). */
+bool attach(IPluginRegistry* registry, Problem const& p, int32_t strategy, DummyResourceContext& context, Attached& a,
+    std::optional<int32_t> multiprocessors = std::nullopt)
 {
-    Fields fields(p.eps, p.splits, strategy);
+    Fields fields(p.eps, p.splits, strategy, multiprocessors);
     IPluginCreatorV3One* creator = creatorFor(registry, p.splits.size());
     if (creator == nullptr)
     {
@@ -780,6 +883,35 @@ void gpuChecks(IPluginRegistry* registry, std::mt19937_64& rng)
         bool emptyOk = attach(registry, empty, 0, context, e) && none.allocate(e.workspace);
         check(emptyOk && enqueue(e, none, stream) == 0 && CUDA_OK(cudaStreamSynchronize(stream)),
             "enqueue with zero rows (x[1,0,576]) succeeds and writes nothing");
+    }
+
+    // Plans built on devices of other multiprocessor counts, run on this one: AUTO picks for the
+    // recorded count at every enqueue, so each runs in exactly the workspace its build asked for
+    // (at 16 rows: none where 78 were recorded, the fused kernel's, while on 132 AUTO takes the
+    // epilogue-scale GEMM, which needs one).
+    for (int32_t recorded : {78, 114, 132})
+    {
+        for (int64_t m : {16, 320})
+        {
+            Problem p{m, 576, {1536, 1536}, DataType::kHALF, 1e-5F};
+            Attached a;
+            std::string const what = label(p, 0) + " recorded on " + std::to_string(recorded) + " multiprocessors";
+            if (!check(attach(registry, p, 0, context, a, recorded), "attach " + what))
+            {
+                continue;
+            }
+            Instance inst(p);
+            if (!inst.allocate(a.workspace) || !inst.uploadW(rng) || !inst.uploadX(rng))
+            {
+                continue;
+            }
+            int32_t const rc = enqueue(a, inst, stream);
+            bool const synced = CUDA_OK(cudaStreamSynchronize(stream));
+            double const err = (rc == 0 && synced) ? inst.error() : INFINITY;
+            char buf[96];
+            std::snprintf(buf, sizeof buf, " in its %zu-byte workspace, rel err %.3g", a.workspace, err);
+            check(rc == 0 && err < tolerance(p.type), "enqueue " + what + buf);
+        }
     }
 
     // Two execution contexts, two streams, enqueued back to back many times so their work

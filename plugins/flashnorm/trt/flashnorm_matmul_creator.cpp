@@ -76,7 +76,7 @@ FlashNormMatMulCreator::FlashNormMatMulCreator(int32_t outputs)
 }
 
 nvinfer1::IPluginV3* FlashNormMatMulCreator::createPlugin(
-    char const* name, nvinfer1::PluginFieldCollection const* fc, nvinfer1::TensorRTPhase /*phase*/) noexcept
+    char const* name, nvinfer1::PluginFieldCollection const* fc, nvinfer1::TensorRTPhase phase) noexcept
 {
     try
     {
@@ -89,6 +89,7 @@ nvinfer1::IPluginV3* FlashNormMatMulCreator::createPlugin(
         MatMulAttributes attributes;
         bool haveEps = false;
         bool haveSplits = false;
+        bool haveMultiprocessors = false;
         for (int32_t i = 0; i < fc->nbFields; ++i)
         {
             nvinfer1::PluginField const& field = fc->fields[i];
@@ -121,6 +122,17 @@ nvinfer1::IPluginV3* FlashNormMatMulCreator::createPlugin(
                 }
                 attributes.strategy = strategy[0];
             }
+            else if (fieldName == "multiprocessors")
+            {
+                std::vector<int32_t> multiprocessors;
+                if (!readIntegers(field, multiprocessors) || multiprocessors.size() != 1)
+                {
+                    logError(pluginName + ": field multiprocessors must be one INT32");
+                    return nullptr;
+                }
+                attributes.multiprocessors = multiprocessors[0];
+                haveMultiprocessors = true;
+            }
             else
             {
                 log(nvinfer1::ILogger::Severity::kWARNING, pluginName + ": ignoring unknown field '" + fieldName + "'");
@@ -130,6 +142,14 @@ nvinfer1::IPluginV3* FlashNormMatMulCreator::createPlugin(
         {
             logError(pluginName + ": missing required field " + (haveEps ? "splits" : "eps"));
             return nullptr;
+        }
+        // A node never names it (not a declared field): a build records the build device's. A plan
+        // serialized before the field existed reserved the workspace of the count AUTO assumed then.
+        if (!haveMultiprocessors)
+        {
+            attributes.multiprocessors = phase == nvinfer1::TensorRTPhase::kBUILD
+                ? flashnorm_current_multiprocessors()
+                : flashnorm_measured_multiprocessors();
         }
         if (static_cast<int32_t>(attributes.splits.size()) != mOutputs)
         {

@@ -5,6 +5,15 @@
  * Fields (as the parser passes ONNX attributes): eps FLOAT32 (required), splits INT32 array
  * of N sizes (required; INTS arrive as int32), strategy INT32 (optional, default 0 = auto;
  * the defer pass writes it on every node, so the parser finds every declared field).
+ *
+ * A plan's fields also hold multiprocessors INT32, which the plugin records when it is made for a
+ * build and serializes (MatMulAttributes::multiprocessors). It is not declared (getFieldNames):
+ * the parser forwards only declared fields and warns on every node that lacks one, and a node has
+ * no business naming the build device; TensorRT hands a plan's serialized fields to createPlugin
+ * whether declared or not (NvInferRuntime.h: getFieldsToSerialize need not match getFieldNames).
+ * Without it, createPlugin takes the current device's count in the build phase and, in the runtime
+ * phase (a plan serialized before the field existed), the count that plan's workspace was sized
+ * for, flashnorm_measured_multiprocessors().
  */
 #ifndef FLASHNORM_TRT_FLASHNORM_MATMUL_CREATOR_H
 #define FLASHNORM_TRT_FLASHNORM_MATMUL_CREATOR_H

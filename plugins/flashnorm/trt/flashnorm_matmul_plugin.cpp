@@ -80,6 +80,11 @@ bool validateAttributes(MatMulAttributes const& attributes, std::string& why)
             + std::to_string(attributes.strategy);
         return false;
     }
+    if (attributes.multiprocessors <= 0)
+    {
+        why = "multiprocessors must be positive, got " + std::to_string(attributes.multiprocessors);
+        return false;
+    }
     return true;
 }
 
@@ -88,7 +93,7 @@ FlashNormMatMulPlugin::FlashNormMatMulPlugin(std::string name, MatMulAttributes 
     , mAttributes(std::move(attributes))
     , mTotalColumns(std::accumulate(mAttributes.splits.begin(), mAttributes.splits.end(), int64_t{0}))
 {
-    mSerializedFields.reserve(3); // getFieldsToSerialize is noexcept: allocate here
+    mSerializedFields.reserve(4); // getFieldsToSerialize is noexcept: allocate here
 }
 
 FlashNormMatMulPlugin::~FlashNormMatMulPlugin()
@@ -274,6 +279,7 @@ bool FlashNormMatMulPlugin::describeProblem(
     }
     problem.eps = mAttributes.eps;
     problem.strategy = static_cast<flashnorm_strategy>(mAttributes.strategy);
+    problem.multiprocessors = mAttributes.multiprocessors;
     return problem.k > 0;
 }
 
@@ -284,7 +290,8 @@ size_t FlashNormMatMulPlugin::getWorkspaceSize(nvinfer1::DynamicPluginTensorDesc
     {
         return 0;
     }
-    // Sized for the profile's largest x: the library's workspace covers any smaller M.
+    // Sized for the profile's largest x: the library's workspace covers any smaller M on the same
+    // multiprocessors, the recorded ones every enqueue passes too.
     flashnorm_problem problem;
     if (!describeProblem(inputs[0].max, inputs[0].desc.type, problem))
     {
@@ -396,6 +403,7 @@ nvinfer1::PluginFieldCollection const* FlashNormMatMulPlugin::getFieldsToSeriali
         {"splits", mAttributes.splits.data(), nvinfer1::PluginFieldType::kINT32,
             static_cast<int32_t>(mAttributes.splits.size())},
         {"strategy", &mAttributes.strategy, nvinfer1::PluginFieldType::kINT32, 1},
+        {"multiprocessors", &mAttributes.multiprocessors, nvinfer1::PluginFieldType::kINT32, 1},
     });
     mSerializedCollection.nbFields = static_cast<int32_t>(mSerializedFields.size());
     mSerializedCollection.fields = mSerializedFields.data();

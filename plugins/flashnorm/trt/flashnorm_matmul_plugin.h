@@ -42,6 +42,11 @@ struct MatMulAttributes
     float eps{0.0F};
     std::vector<int32_t> splits;
     int32_t strategy{FLASHNORM_STRATEGY_AUTO};
+    /* The multiprocessors AUTO picks for, in getWorkspaceSize and at every enqueue alike: recorded
+     * when the plugin is made for a build (the build device's) and serialized into the plan, so that
+     * on any GPU the plan runs on AUTO's pick fits the workspace TensorRT reserved at build time
+     * (flashnorm_problem.multiprocessors). Not a node attribute: createPlugin fills it. */
+    int32_t multiprocessors{0};
 };
 
 class FlashNormMatMulPlugin final : public nvinfer1::IPluginV3,

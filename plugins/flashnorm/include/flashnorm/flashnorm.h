@@ -37,9 +37,10 @@ typedef enum flashnorm_dtype
 
 typedef enum flashnorm_strategy
 {
-    FLASHNORM_STRATEGY_AUTO = 0,       /* picks by M, K·N, the splits and the dtype; every threshold
-                                          (measured on H200, for its 132 multiprocessors) is in
-                                          dispatch/dispatch.cpp, its picks over a grid of shapes in
+    FLASHNORM_STRATEGY_AUTO = 0,       /* picks by M, K·N, the splits, the dtype and the device's
+                                          multiprocessors (flashnorm_problem.multiprocessors); every
+                                          threshold (measured on H200) is in dispatch/dispatch.cpp, its
+                                          picks over a grid of shapes and multiprocessor counts in
                                           tests/plugins/golden/auto_dispatch.csv */
     FLASHNORM_STRATEGY_TWO_STREAM = 1, /* cuBLASLt GEMM on the caller's stream ‖ RMS on a side stream */
     FLASHNORM_STRATEGY_FUSED = 2,      /* one kernel: GEMV + sum(x²) + scale in its epilogue */
@@ -95,18 +96,42 @@ typedef struct flashnorm_problem
     flashnorm_dtype dtype;
     float eps;
     flashnorm_strategy strategy;
+    int32_t multiprocessors;                     /* the device AUTO picks for: 0, the device's own (see
+                                                    below); n > 0, a device of n multiprocessors */
 } flashnorm_problem;
+
+/* AUTO's pick, and with it the workspace it needs, depends on the multiprocessors of the device
+ * (where the epilogue-scale GEMM's tiles run in one wave). flashnorm_workspace_size and the calls
+ * must therefore pick for one count: pass them the same problem. multiprocessors = 0 (what a
+ * zero-initialized problem holds) is the device's own: in flashnorm_matmul and flashnorm_add_matmul
+ * the context's device's, in flashnorm_workspace_size and flashnorm_resolve_strategy
+ * flashnorm_current_multiprocessors() (so ask those on the device the calls will run on). A caller
+ * that sizes the workspace on one device and runs on another (a TensorRT plan, built on one GPU and
+ * run on any) records the count where it sizes it and passes that count to every call. Only AUTO
+ * reads the field: an explicit strategy ignores it, and the kernels size their grids for the
+ * device they run on whatever it says. */
 
 /* Creates a context on the current CUDA device. */
 FLASHNORM_API flashnorm_status flashnorm_context_create(flashnorm_context** context);
 FLASHNORM_API void flashnorm_context_destroy(flashnorm_context* context);
 
 /* Bytes of device workspace flashnorm_matmul needs for this problem or any smaller M (under AUTO
- * too, whichever strategy it picks for the smaller M). The workspace must be 256-byte aligned. */
+ * too, whichever strategy it picks for the smaller M, on the problem's multiprocessors). The
+ * workspace must be 256-byte aligned. */
 FLASHNORM_API size_t flashnorm_workspace_size(flashnorm_problem const* problem);
 
-/* The strategy AUTO resolves to for this problem (never AUTO). */
+/* The strategy AUTO resolves to for this problem on its multiprocessors (never AUTO). */
 FLASHNORM_API flashnorm_strategy flashnorm_resolve_strategy(flashnorm_problem const* problem);
+
+/* The multiprocessors of the current CUDA device: the count multiprocessors = 0 stands for in
+ * flashnorm_workspace_size and flashnorm_resolve_strategy. Where no device answers (no GPU, no
+ * driver), flashnorm_measured_multiprocessors(). */
+FLASHNORM_API int32_t flashnorm_current_multiprocessors(void);
+
+/* The multiprocessors AUTO's boundaries were measured on (an H200's, 132): the count for a caller
+ * that must pick as this library did before flashnorm_problem.multiprocessors existed (a TensorRT
+ * plan serialized without it sized its workspace for this count). */
+FLASHNORM_API int32_t flashnorm_measured_multiprocessors(void);
 
 /* Enqueues y_i = (x · W*)[:, cols_i] ⊙ rsqrt(mean(x²)+eps) on `stream`. Asynchronous; returns
  * before the GPU finishes. outputs[i] points to an [m, split_sizes[i]] row-major buffer. */
