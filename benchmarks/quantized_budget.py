@@ -5,7 +5,7 @@ text (about 2 000 tokens) on ONNX Runtime, against the fp32 export.
 
     python benchmarks/quantized_budget.py --workdir DIR                    # every route
     python benchmarks/quantized_budget.py --workdir DIR --routes modelopt-int4-rtn,genai-int4
-    python benchmarks/quantized_budget.py --workdir DIR --int8             # also ModelOpt int8 (~5-13 min each)
+    python benchmarks/quantized_budget.py --workdir DIR --int8 --fp8       # also ModelOpt int8 and fp8 (2-10 min each)
     python benchmarks/quantized_budget.py --workdir DIR --quant-limits 0.25,1   # a row per fold limit
 
 The producers run in the environment `benchmarks/quantizers.py` finds (`--quantize-python`,
@@ -47,6 +47,16 @@ import quantizers  # noqa: E402
 
 ROUTES = ("modelopt-int4-rtn", "modelopt-int4-awq", "genai-int4")
 DEFAULT_ROUTES = ("modelopt-int4-rtn", "genai-int4")
+# ModelOpt's static-activation modes as measured in docs/QUANTIZATION.md: max calibration on the
+# text's first 128 tokens, floats kept fp32, MatMul inputs only (its default int8 also quantizes
+# the residual Add and the norms' Pow), no attention-matmul Q/DQ; int8 also leaves down_proj
+# float (the outlier channels of its SiLU·up input set a per-tensor int8 step far above the
+# typical value; fp8's floating grid keeps them). Per mode: ModelOpt's options, and the
+# `--for-quantization` format of the selective row (None: none models fp8's weights).
+STATIC_MODES: dict[str, tuple[list[str], str | None]] = {
+    "int8": (["--op_types_to_quantize", "MatMul", "--disable_mha_qdq", "--nodes_to_exclude", ".*down_proj.*"], "int8"),
+    "fp8": (["--op_types_to_quantize", "MatMul", "--disable_mha_qdq"], None),
+}
 
 
 def flashnorm(*args: str) -> dict[str, Any]:
@@ -210,14 +220,16 @@ class Bench:
                      position_ids=np.arange(ids.shape[1], dtype=np.int64)[None])
         return path
 
-    def float_sources(self, fp32: Path, quantization: str) -> tuple[dict[str, Path], dict[str, dict[str, Any]]]:
-        """The fp32 model, folded and selectively folded for `quantization` (files, and what each fold did)."""
-        sources = {"unfolded": fp32, "fold-before": self.dir / "smollm2.fold.onnx",
-                   "selective": self.dir / f"smollm2.select-{quantization}.onnx"}
-        folds = {"fold-before": self.folded(sources["fold-before"], "optimize", str(fp32), "-o",
-                                            str(sources["fold-before"]), "--passes", "fold"),
-                 "selective": self.folded(sources["selective"], "optimize", str(fp32), "-o", str(sources["selective"]),
-                                          "--passes", "fold", "--for-quantization", quantization)}
+    def float_sources(self, fp32: Path, quantization: str | None) -> tuple[dict[str, Path], dict[str, dict[str, Any]]]:
+        """The fp32 model, folded, and selectively folded for `quantization` (no selective model
+        where None: no `--for-quantization` format models that quantizer): files, and what each fold did."""
+        fold = self.dir / "smollm2.fold.onnx"
+        sources = {"unfolded": fp32, "fold-before": fold}
+        folds = {"fold-before": self.folded(fold, "optimize", str(fp32), "-o", str(fold), "--passes", "fold")}
+        if quantization is not None:
+            selective = sources["selective"] = self.dir / f"smollm2.select-{quantization}.onnx"
+            folds["selective"] = self.folded(selective, "optimize", str(fp32), "-o", str(selective), "--passes", "fold",
+                                             "--for-quantization", quantization)
         return sources, folds
 
     def modelopt_int4(self, fp32: Path, method: str) -> None:
@@ -234,18 +246,17 @@ class Bench:
                 reference = row
                 self.quantized_then_folded(name, out, reference)
 
-    def modelopt_int8(self, fp32: Path) -> None:
-        name = "modelopt-int8"
-        calibration = self.calibration()
-        sources, folds = self.float_sources(fp32, "int8")
+    def modelopt_static(self, fp32: Path, mode: str) -> None:
+        """ModelOpt int8 or fp8: weights and a static per-tensor activation scale at every MatMul input."""
+        name = f"modelopt-{mode}"
+        sources, folds = self.float_sources(fp32, STATIC_MODES[mode][1])
+        extra = ["--high_precision_dtype", "fp32", "--calibration_data_path", str(self.calibration()),
+                 *STATIC_MODES[mode][0]]
         reference = None
         for route, source in sources.items():
             out = self.dir / f"{source.stem}.{name}.onnx"
-            how = self.made(out, lambda: quantizers.modelopt(
-                self.python, source, out, mode="int8", method="max",
-                extra=["--high_precision_dtype", "fp32", "--calibration_data_path", str(calibration),
-                       # the usable baseline of docs/QUANTIZATION.md: MatMul inputs only, down_proj float
-                       "--op_types_to_quantize", "MatMul", "--disable_mha_qdq", "--nodes_to_exclude", ".*down_proj.*"]))
+            how = self.made(out, lambda: quantizers.modelopt(self.python, source, out, mode=mode, method="max",
+                                                             extra=extra))
             row = self.row(name, route, out, how, reference, **({"fold": folds[route]} if route in folds else {}))
             if route == "unfolded":
                 reference = row
@@ -301,6 +312,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--int8", action="store_true",
                         help="also ModelOpt int8, every route (max calibration on 128 tokens of the text, fp32 kept, "
                              "MatMul inputs only, down_proj left float: the usable baseline of docs/QUANTIZATION.md)")
+    parser.add_argument("--fp8", action="store_true",
+                        help="also ModelOpt fp8 (e4m3), unfolded, folded before and quantized then folded (as --int8, "
+                             "down_proj quantized too)")
     parser.add_argument("--quant-limits", default=None,
                         help="comma-separated `optimize --quant-limit` values: one quantized-then-folded row per "
                              "quantizer and value (default: the pass's default limit)")
@@ -330,8 +344,9 @@ def main(argv: list[str] | None = None) -> int:
         bench.modelopt_int4(fp32, "rtn_dq")
     if "modelopt-int4-awq" in routes:
         bench.modelopt_int4(fp32, "awq_clip")
-    if args.int8:
-        bench.modelopt_int8(fp32)
+    for mode in ("int8", "fp8"):
+        if getattr(args, mode):
+            bench.modelopt_static(fp32, mode)
     if "genai-int4" in routes:
         bench.genai_int4()
     result = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "versions": versions(python),
