@@ -123,8 +123,7 @@ def _quantized_consumer(node: gs.Node, tensor: gs.Tensor) -> Optional[str]:
     quantized sites as such rather than "run fold first" where fold left the gain."""
     where = f"consumer {node.op} {node.name!r}"
     if node.op in _QUANTIZED_PROJECTIONS:
-        return (f"{where} dequantizes its weight inside the op; the plugin takes float weights "
-                "(fold applies, defer does not)")
+        return f"{where} dequantizes its weight inside the op; the plugin takes float weights (defer does not apply)"
     if node.op == "QuantizeLinear":
         return f"{where} quantizes the normalized activation; the plugin reads it in float (defer does not apply)"
     if node.op == "Mul" and len(node.outputs[0].outputs) == 1:  # a per-channel prescale (AWQ, SmoothQuant)
