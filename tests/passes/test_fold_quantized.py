@@ -572,6 +572,42 @@ def test_defer_refuses_quantized_consumers_and_says_which(rng, tmp_path):
     assert not site["defer"]["applies"] and "dequantized in the graph (DequantizeLinear int8" in site["defer"]["reason"]
 
 
+def _prescaled(model, rng):
+    """`model` with a per-channel Mul (ModelOpt awq's pre_quant_scale) between its norm and its projection."""
+    graph = gs.import_onnx(model)
+    (site,) = find_norm_sites(graph)
+    (projection,) = site.consumers
+    scaled = gs.Variable("prescaled", dtype=np.float32)
+    graph.nodes.append(gs.Node("Mul", name="pre_quant_scale", outputs=[scaled], inputs=[
+        site.output, gs.Constant("s", np.exp(rng.uniform(-1, 1, HIDDEN)).astype(np.float32))]))
+    projection.inputs[0] = scaled
+    return gs.export_onnx(graph)
+
+
+def test_inspect_names_the_quantized_reason_where_fold_keeps_the_gain(rng):
+    """A site the fold leaves alone (above the quant limit, or an activation QuantizeLinear):
+    defer's reason is the quantized consumer, which no fold changes, not "run fold first"."""
+    from flashnorm.passes.dry_run import inspect_graph
+
+    model, _ = _float_model(rng, widths=(40,))
+    blocked, _, _ = dq_model(rng, "int4", "blocked-K32", "kn", False)
+    b = GraphBuilder(21)
+    y = axes_input(b, "x", random_gain(rng, HIDDEN), EPS)
+    scale, zero = b.const(np.array(0.05, np.float32)), b.const(np.array(0, np.int8))
+    a = b.op("DequantizeLinear", [b.op("QuantizeLinear", [y, scale, zero]), scale, zero])
+    out = b.op("MatMul", [a, b.const((rng.standard_normal((HIDDEN, 8)) / 10).astype(np.float32), "w")])
+    activation = b.model([helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", "seq", HIDDEN])], [out])
+    cases = {"nbits": (ort_nbits(model, 4, 32, True), "dequantizes its weight inside the op"),
+             "dq": (blocked, "dequantized in the graph (DequantizeLinear int4"),
+             "activation": (activation, "quantizes the normalized activation"),
+             "prescale": (_prescaled(blocked, rng), "scales the activation in front of a quantized projection")}
+    for name, (case, words) in cases.items():
+        (site,) = inspect_graph(gs.import_onnx(case), quant_limit=0)["sites"]
+        if name != "prescale":  # the prescale Mul takes the gain exactly
+            assert not site["fold"]["applies"], name
+        assert not site["defer"]["applies"] and words in site["defer"]["reason"], (name, site["defer"]["reason"])
+        assert "run fold first" not in site["defer"]["reason"] and "\n" not in site["defer"]["reason"]
+
 def test_external_data_quantized_model_is_streamed(rng, tmp_path, external_reads):
     """An external-data MatMulNBits model: planning reads the quantized weights to measure
     them, the save writes the requantized ones computed once per weight; the input stays."""

@@ -81,12 +81,6 @@ def _constant_matrix(use: LinearUse, where: str) -> tuple[gs.Constant, bool]:
     if isinstance(tensor, gs.Constant):
         constant = tensor
     else:
-        dequantized = _dequantized_by(tensor)
-        if dequantized is not None:
-            raise NotDeferrable(
-                f"{where}: weight {tensor.name!r} is dequantized in the graph ({dequantized}); the plugin takes "
-                "float weights as an initializer: deferring would replace the quantized weight by its float copy "
-                "(not done)")
         value = constant_value(tensor)
         if value is None:
             raise NotDeferrable(f"{where}: weight {tensor.name!r} is not a constant")
@@ -122,11 +116,34 @@ def _dequantized_by(tensor: gs.Tensor) -> Optional[str]:
     return None
 
 
-def _projection(site: NormSite, node: gs.Node, dtype: str) -> Projection:
+def _quantized_consumer(node: gs.Node, tensor: gs.Tensor) -> Optional[str]:
+    """Why `node`, reading `tensor`, keeps the site from deferring because it computes with
+    quantized values, or None. The plugin takes float activations and float weights as an
+    initializer, so no fold changes this: plan_defer asks it first, and inspect names the
+    quantized sites as such rather than "run fold first" where fold left the gain."""
     where = f"consumer {node.op} {node.name!r}"
     if node.op in _QUANTIZED_PROJECTIONS:
-        raise NotDeferrable(f"{where} dequantizes its weight inside the op; the plugin takes float weights "
-                            "(fold applies, defer does not)")
+        return f"{where} dequantizes its weight inside the op; the plugin takes float weights (defer does not apply)"
+    if node.op == "QuantizeLinear":
+        return f"{where} quantizes the normalized activation; the plugin reads it in float (defer does not apply)"
+    if node.op == "Mul" and len(node.outputs[0].outputs) == 1:  # a per-channel prescale (AWQ, SmoothQuant)
+        inner = _quantized_consumer(node.outputs[0].outputs[0], node.outputs[0])
+        return f"{where} scales the activation in front of a quantized projection: {inner}" if inner else None
+    try:
+        use = linear_use(node, tensor, where, NotDeferrable)
+        weight = use.stored_weight(where, NotDeferrable)[0] if use is not None else None
+    except NotDeferrable:
+        return None  # not quantized; _projection gives the reason
+    dequantized = _dequantized_by(weight) if weight is not None else None
+    if dequantized is None:
+        return None
+    return (f"{where}: weight {weight.name!r} is dequantized in the graph ({dequantized}); the plugin takes "
+            "float weights as an initializer: deferring would replace the quantized weight by its float copy "
+            "(not done)")
+
+
+def _projection(site: NormSite, node: gs.Node, dtype: str) -> Projection:
+    where = f"consumer {node.op} {node.name!r}"
     use = linear_use(node, site.output, where, NotDeferrable)
     if use is None:
         raise NotDeferrable(f"{where} is not a projection (MatMul or Gemm with a constant weight)")
@@ -178,6 +195,10 @@ class DeferPlan:
 def plan_defer(site: NormSite, graph_outputs: frozenset[str]) -> DeferPlan:
     """The projections one FlashNormMatMul replaces, or NotDeferrable with the reason.
     Mutates nothing."""
+    for node in site.consumers:
+        quantized = _quantized_consumer(node, site.output)
+        if quantized:
+            raise NotDeferrable(quantized)
     if site.spelling == "SkipSimplifiedLayerNormalization":
         raise NotDeferrable("the norm's input is a residual sum computed inside the fused Skip node")
     if not site.is_weightless:

@@ -49,8 +49,9 @@ class QuantFormat:
 
 
 FORMATS: dict[str, QuantFormat] = {
-    "int4": QuantFormat("int4", 4, 128, "int4 weight-only, blocks of 128 along K (ModelOpt rtn_dq/awq_clip, "
-                                        "onnxruntime-genai's builder with --int4_block_size 128)"),
+    "int4": QuantFormat("int4", 4, 128, "int4 weight-only, blocks of 128 along K (ModelOpt rtn_dq, "
+                                        "onnxruntime-genai's builder with --int4_block_size 128; with ModelOpt "
+                                        "awq_clip the selection measured over the budget)"),
     "int4-b32": QuantFormat("int4-b32", 4, 32, "int4 weight-only, blocks of 32 along K (onnxruntime-genai's "
                                                "builder default)"),
     "int8": QuantFormat("int8", 8, 0, "int8 weights, one scale per output channel (ModelOpt int8, TensorRT)"),
