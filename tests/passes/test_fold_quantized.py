@@ -567,9 +567,81 @@ def test_defer_refuses_quantized_consumers_and_says_which(rng, tmp_path):
     assert decision.action == "skipped" and "plugin takes float weights" in decision.reason
     assert "inside the op" in decision.reason
     dq, _, _ = dq_model(rng, "int8", "per-axis-K", "kn", False)
-    (site,) = inspect_graph(gs.import_onnx(dq))["sites"]
+    report = inspect_graph(gs.import_onnx(dq))
+    (site,) = report["sites"]
     assert site["fold"]["applies"] and site["fold"]["quantized"]["exact"]
-    assert not site["defer"]["applies"] and "dequantized in the graph (DequantizeLinear int8" in site["defer"]["reason"]
+    assert site["defer"]["applies"] and site["defer"]["dequantized"] == [
+        f"{site['consumers'][0]}: DequantizeLinear int8 → float32"]
+    from flashnorm.tools.inspect import format_text
+
+    assert "#0 defer reads a weight the graph dequantizes (MatMul" in format_text(report, verbose=True)
+    assert "#0 defer reads weights the graph dequantizes (DequantizeLinear int8 → float32: 1 weight at 1 site)" \
+        in format_text(report)
+
+
+def _quantized_initializers(model):
+    return sorted((tuple(t.dims), t.data_type) for t in model.graph.initializer if t.data_type not in (
+        TensorProto.FLOAT, TensorProto.FLOAT16, TensorProto.BFLOAT16, TensorProto.INT64))
+
+
+@pytest.mark.parametrize("spelling", ["kn", "transpose", "gemm", "cast"])
+@pytest.mark.parametrize("code,layout", [("int8", "per-axis-K"), ("uint4", "blocked-N8"), ("int4", "blocked-K1")])
+def test_defer_reads_a_weight_the_graph_dequantizes(code, layout, spelling, rng):
+    """The fold is exact in these layouts; defer then replaces the MatMul by the plugin node
+    reading the DequantizeLinear's output: the codes stay in the file, the output is the
+    float64 evaluation of the original graph's."""
+    from flashnorm import contract
+
+    model, gain, weight = dq_model(rng, code, layout, spelling, code == "uint4")
+    graph, reports = run_passes(gs.import_onnx(model), ["fold", "defer"], quant_limit=float("inf"))
+    assert reports[0].count("folded") == 1 and reports[1].count("deferred") == 1, reports[1].to_dict()
+    (decision,) = reports[1].decisions
+    assert decision.details["dequantized"] and code in decision.details["dequantized"][0]
+    deferred = gs.export_onnx(graph)
+    onnx.checker.check_model(deferred, full_check=True)
+    ops = [n.op_type for n in deferred.graph.node]
+    assert ops.count("DequantizeLinear") == 1 and "MatMul" not in ops and "Gemm" not in ops
+    assert [n for n in deferred.graph.node if contract.is_deferred_node(n.op_type, n.domain)]
+    assert _quantized_initializers(deferred) == _quantized_initializers(model)
+    x = x_feed(rng)
+    if spelling == "gemm":
+        x = x.reshape(-1, HIDDEN)
+    (got,) = run(deferred, {"x": x})
+    assert relative_rms(got, norm64(x, gain) @ weight) < (1e-3 if spelling == "cast" else 1e-5)
+
+
+def test_defer_concatenates_dequantized_and_constant_weights_in_the_graph(rng, max_error):
+    """q|k|v: a blocked int4 weight, an int8 one behind a Transpose, and a float Gemm weight with
+    alpha and a bias: one FlashNormMatMul3 reading a Concat of the three, the same outputs."""
+    from flashnorm import contract
+
+    b = GraphBuilder(21)
+    gain = random_gain(rng, HIDDEN)
+    y = axes_input(b, "x", gain, EPS)
+    outs = []
+    for name, code, layout, transposed in (("q", "int4", "blocked-N8", False), ("k", "int8", "per-axis-K", True)):
+        kind, k_or_n, block, _ = LAYOUTS[layout]
+        w = rng.standard_normal((HIDDEN, 24)) / np.sqrt(HIDDEN)
+        stored = w.T if transposed else w
+        axis = k_or_n if not transposed else 1 - k_or_n
+        codes, scale, _ = quantize_np(stored, code, kind, axis, block, False)
+        attrs = {"axis": axis, **({"block_size": block} if kind == "block" else {})}
+        weight = b.op("DequantizeLinear", [b.const(codes, f"{name}_q"), b.const(scale, f"{name}_scale")], **attrs)
+        outs.append(b.op("MatMul", [y, b.op("Transpose", [weight], perm=[1, 0]) if transposed else weight]))
+    v = b.const((rng.standard_normal((16, HIDDEN)) / np.sqrt(HIDDEN)).astype(np.float32), "v_w")
+    bias = b.const(rng.standard_normal(16).astype(np.float32), "v_b")
+    outs.append(b.op("Gemm", [y, v, bias], transB=1, alpha=0.5))
+    model = b.model([helper.make_tensor_value_info("x", TensorProto.FLOAT, ["tokens", HIDDEN])], outs)
+    folded, _ = run_passes(gs.import_onnx(model), ["fold"], quant_limit=float("inf"))
+    graph, reports = run_passes(gs.import_onnx(model), ["fold", "defer"], quant_limit=float("inf"))
+    deferred = gs.export_onnx(graph)
+    assert reports[1].count("deferred") == 1, reports[1].to_dict()
+    assert len(reports[1].decisions[0].details["dequantized"]) == 2
+    (node,) = [n for n in deferred.graph.node if contract.is_deferred_node(n.op_type, n.domain)]
+    (concat,) = [n for n in deferred.graph.node if n.op_type == "Concat"]
+    assert node.input[1] == concat.output[0] and len(node.output) == 3
+    assert _quantized_initializers(deferred) == _quantized_initializers(model)
+    assert max_error(gs.export_onnx(folded), deferred) < 1e-5
 
 
 def _prescaled(model, rng):
@@ -598,7 +670,7 @@ def test_inspect_names_the_quantized_reason_where_fold_keeps_the_gain(rng):
     out = b.op("MatMul", [a, b.const((rng.standard_normal((HIDDEN, 8)) / 10).astype(np.float32), "w")])
     activation = b.model([helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", "seq", HIDDEN])], [out])
     cases = {"nbits": (ort_nbits(model, 4, 32, True), "dequantizes its weight inside the op"),
-             "dq": (blocked, "dequantized in the graph (DequantizeLinear int4"),
+             "dq": (blocked, "fold leaves the gain here"),
              "activation": (activation, "quantizes the normalized activation"),
              "prescale": (_prescaled(blocked, rng), "scales the activation in front of a quantized projection")}
     for name, (case, words) in cases.items():

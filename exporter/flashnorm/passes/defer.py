@@ -4,7 +4,9 @@ After folding, a weightless norm whose consumers are all projections (MatMul wit
 [K,N] weight, or the same weight behind a Transpose or Gemm transB=1; Shape readers move to
 the norm's input, which has the same shape) becomes one
 `flashnorm::FlashNormMatMul<N>` node: inputs x and the consumers' weights concatenated along N,
-one output per consumer. A Gemm bias stays a separate Add after the node (scale first, then
+one output per consumer. A weight the graph dequantizes to the activation's type
+(DequantizeLinear, then Cast or Identity) stays quantized in the file: the node reads the
+dequantized tensor, through a Transpose and a Concat in the graph where the layout needs them. A Gemm bias stays a separate Add after the node (scale first, then
 bias: exact). The node carries what TensorRT's parser needs to pick the FlashNorm plugin
 (`plugin_version`, `plugin_namespace`; `eps` FLOAT, `splits` INTS and `strategy` INT become the
 plugin fields eps FLOAT32, splits INT32 and strategy INT32) and the model carries a model-local ONNX function of the
@@ -43,26 +45,34 @@ class NotDeferrable(Exception):
     """Why a site cannot become a FlashNormMatMul (one line)."""
 
 
+GAIN_KEPT = "the norm has a gain (run fold first)"
+
+
 @dataclasses.dataclass
 class Projection:
     """One consumer of the normalized tensor, as the deferred node will compute it."""
 
     node: gs.Node
-    weight: gs.Constant
-    """The stored weight, [K, N_i] or, with `transposed`, [N_i, K]; not read by planning."""
+    weight: gs.Tensor
+    """The stored weight, [K, N_i] or, with `transposed`, [N_i, K]: a constant (not read by
+    planning) or, with `dequantized`, the tensor the graph's DequantizeLinear writes."""
 
+    stored_shape: tuple[int, int]
     transposed: bool
     alpha: float
-    """Gemm's alpha, multiplied into the weight (in float64, cast back)."""
+    """Gemm's alpha, multiplied into the weight (in float64, cast back); 1 for a dequantized weight."""
 
     output: gs.Variable
     bias: Optional[np.ndarray] = None
     """Gemm's beta·C, added after the node; None without a bias."""
 
+    dequantized: str = ""
+    """How the graph dequantizes the weight ('DequantizeLinear int4 → float32'); '' for a constant."""
+
     @property
     def shape(self) -> tuple[int, int]:
         """[K, N_i]: the weight as the deferred node reads it."""
-        rows, columns = (int(d) for d in self.weight.shape)
+        rows, columns = self.stored_shape
         return (columns, rows) if self.transposed else (rows, columns)
 
     def matrix(self, stored: np.ndarray) -> np.ndarray:
@@ -73,11 +83,19 @@ class Projection:
         return weight
 
 
-def _constant_matrix(use: LinearUse, where: str) -> tuple[gs.Constant, bool]:
-    """A weight as a constant and whether it is stored [N, K]. An initializer is returned as it
-    is (its values stay unread); a weight computed from constants (Constant node, Cast, ...) is
+def _constant_matrix(use: LinearUse, where: str) -> tuple[gs.Tensor, bool, str]:
+    """A weight as a constant, whether it is stored [N, K], and '' — or, for a weight the graph
+    dequantizes, that tensor and how it is dequantized. An initializer is returned as it is (its
+    values stay unread); a weight computed from constants (Constant node, Cast, ...) is
     evaluated into a new in-memory constant."""
     tensor, _, transposed = use.stored_weight(where, NotDeferrable)
+    dequantized = _dequantized_by(tensor)
+    if dequantized is not None:
+        description, codes = dequantized
+        rank = len(codes.shape or ())
+        if rank != 2:
+            raise NotDeferrable(f"{where}: dequantized weight {tensor.name!r} has rank {rank}, not 2")
+        return tensor, transposed, description
     if isinstance(tensor, gs.Constant):
         constant = tensor
     else:
@@ -91,7 +109,7 @@ def _constant_matrix(use: LinearUse, where: str) -> tuple[gs.Constant, bool]:
     dtype = stored_dtype_name(constant)
     if dtype not in contract.FLOAT_TYPES:
         raise NotDeferrable(f"{where}: weight {tensor.name!r} has dtype {dtype} (quantized or integer)")
-    return constant, transposed
+    return constant, transposed, ""
 
 
 # Ops that multiply by a weight they dequantize themselves.
@@ -99,47 +117,77 @@ _QUANTIZED_PROJECTIONS = frozenset({"MatMulNBits", "MatMulInteger", "QLinearMatM
                                     "DynamicQuantizeMatMul", "MatMulBnb4", "QGemm"})
 
 
-def _dequantized_by(tensor: gs.Tensor) -> Optional[str]:
-    """'DequantizeLinear int4 → float16' when a DequantizeLinear (then Cast/Identity) writes
-    `tensor`; None otherwise."""
+def _dequantized_by(tensor: gs.Tensor) -> Optional[tuple[str, gs.Constant]]:
+    """('DequantizeLinear int4 → float16', the codes) when a DequantizeLinear of constant codes
+    (then Cast/Identity) writes `tensor`; None otherwise."""
     source = tensor
     for _ in range(4):
         node = producer(source)
         if node is None:
             return None
         if node.op == "DequantizeLinear":
-            codes = stored_dtype_name(node.inputs[0]) or "codes"
-            return f"DequantizeLinear {codes} → {stored_dtype_name(tensor) or 'float'}"
+            codes = node.inputs[0]
+            if not isinstance(codes, gs.Constant):
+                return None
+            return f"DequantizeLinear {stored_dtype_name(codes) or 'codes'} → {_dequantized_dtype(tensor)}", codes
         if node.op not in ("Cast", "Identity"):
             return None
         source = node.inputs[0]
     return None
 
 
+def _dequantized_dtype(tensor: gs.Tensor) -> str:
+    """The float type a DequantizeLinear (then Cast/Identity) chain writes: the tensor's own when
+    known, else the last Cast's `to`, else the DequantizeLinear's scale type."""
+    known = stored_dtype_name(tensor)
+    if known:
+        return known
+    node = producer(tensor)
+    while node is not None and node.op == "Identity":
+        node = producer(node.inputs[0])
+    if node is not None and node.op == "Cast":
+        return _type_name(int(node.attrs["to"]))
+    if node is not None and node.op == "DequantizeLinear" and "output_dtype" in node.attrs:
+        return _type_name(int(node.attrs["output_dtype"]))
+    return stored_dtype_name(node.inputs[1]) if node is not None else ""
+
+
+def _type_name(onnx_type: int) -> str:
+    dtype = numpy_dtype(onnx_type)
+    return dtype.name if dtype is not None else TensorProto.DataType.Name(onnx_type).lower()
+
+
 def _quantized_consumer(node: gs.Node, tensor: gs.Tensor) -> Optional[str]:
     """Why `node`, reading `tensor`, keeps the site from deferring because it computes with
-    quantized values, or None. The plugin takes float activations and float weights as an
-    initializer, so no fold changes this: plan_defer asks it first, and inspect names the
-    quantized sites as such rather than "run fold first" where fold left the gain."""
+    quantized values, or None. The plugin takes float activations and float weights, so no fold
+    changes this: plan_defer asks it first, and inspect names the quantized sites as such rather
+    than "run fold first" where fold left the gain. A weight the graph dequantizes is a float
+    tensor the node can read (_projection)."""
     where = f"consumer {node.op} {node.name!r}"
     if node.op in _QUANTIZED_PROJECTIONS:
         return f"{where} dequantizes its weight inside the op; the plugin takes float weights (defer does not apply)"
     if node.op == "QuantizeLinear":
         return f"{where} quantizes the normalized activation; the plugin reads it in float (defer does not apply)"
     if node.op == "Mul" and len(node.outputs[0].outputs) == 1:  # a per-channel prescale (AWQ, SmoothQuant)
-        inner = _quantized_consumer(node.outputs[0].outputs[0], node.outputs[0])
+        inner = _quantized_projection(node.outputs[0].outputs[0], node.outputs[0])
         return f"{where} scales the activation in front of a quantized projection: {inner}" if inner else None
+    return None
+
+
+def _quantized_projection(node: gs.Node, tensor: gs.Tensor) -> Optional[str]:
+    """How `node` reading `tensor` computes with quantized values (its own refusal, or its
+    weight dequantized in the graph), or None."""
+    refusal = _quantized_consumer(node, tensor)
+    if refusal:
+        return refusal
+    where = f"consumer {node.op} {node.name!r}"
     try:
         use = linear_use(node, tensor, where, NotDeferrable)
         weight = use.stored_weight(where, NotDeferrable)[0] if use is not None else None
     except NotDeferrable:
-        return None  # not quantized; _projection gives the reason
-    dequantized = _dequantized_by(weight) if weight is not None else None
-    if dequantized is None:
         return None
-    return (f"{where}: weight {weight.name!r} is dequantized in the graph ({dequantized}); the plugin takes "
-            "float weights as an initializer: deferring would replace the quantized weight by its float copy "
-            "(not done)")
+    dequantized = _dequantized_by(weight) if weight is not None else None
+    return f"{where}: weight {weight.name!r} is dequantized in the graph ({dequantized[0]})" if dequantized else None
 
 
 def _projection(site: NormSite, node: gs.Node, dtype: str) -> Projection:
@@ -147,8 +195,10 @@ def _projection(site: NormSite, node: gs.Node, dtype: str) -> Projection:
     use = linear_use(node, site.output, where, NotDeferrable)
     if use is None:
         raise NotDeferrable(f"{where} is not a projection (MatMul or Gemm with a constant weight)")
-    weight, transposed = _constant_matrix(use, where)
+    weight, transposed, dequantized = _constant_matrix(use, where)
     alpha = float(node.attrs.get("alpha", 1.0)) if node.op == "Gemm" else 1.0
+    if dequantized and alpha != 1.0:
+        raise NotDeferrable(f"{where}: Gemm alpha {alpha:g} on a weight dequantized in the graph ({dequantized})")
     bias = None
     if use.bias is not None:
         c = constant_value(use.bias)
@@ -156,9 +206,12 @@ def _projection(site: NormSite, node: gs.Node, dtype: str) -> Projection:
             raise NotDeferrable(f"{where}: bias {use.bias.name!r} is not a constant")
         beta = float(node.attrs.get("beta", 1.0))
         bias = c if beta == 1.0 else (c.astype(np.float64) * beta).astype(c.dtype)
-    if stored_dtype_name(weight) != dtype:
-        raise NotDeferrable(f"{where}: weight dtype {stored_dtype_name(weight)} differs from the activation's {dtype}")
-    projection = Projection(node, weight, transposed, alpha, node.outputs[0], bias)
+    weight_dtype = _dequantized_dtype(weight) if dequantized else stored_dtype_name(weight)
+    if weight_dtype != dtype:
+        raise NotDeferrable(f"{where}: weight dtype {weight_dtype} differs from the activation's {dtype}")
+    shape = _dequantized_by(weight)[1].shape if dequantized else weight.shape
+    rows, columns = (int(d) for d in shape)
+    projection = Projection(node, weight, (rows, columns), transposed, alpha, node.outputs[0], bias, dequantized)
     if site.hidden_size and projection.shape[0] != site.hidden_size:
         raise NotDeferrable(f"{where}: weight has {projection.shape[0]} rows, the norm has {site.hidden_size} channels")
     output = node.outputs[0]
@@ -202,7 +255,7 @@ def plan_defer(site: NormSite, graph_outputs: frozenset[str]) -> DeferPlan:
     if site.spelling == "SkipSimplifiedLayerNormalization":
         raise NotDeferrable("the norm's input is a residual sum computed inside the fused Skip node")
     if not site.is_weightless:
-        raise NotDeferrable("the norm has a gain (run fold first)")
+        raise NotDeferrable(GAIN_KEPT)
     if site.axis != -1:
         raise NotDeferrable(f"normalized axis {site.axis} is not the last")
     if site.output.name in graph_outputs:
@@ -250,7 +303,10 @@ def apply_defer(graph: gs.Graph, site: NormSite, plan: DeferPlan) -> gs.Node:
     for reader in plan.shape_readers:
         reader.inputs[0] = plan.activation
     projections = plan.projections
-    weight_constant = gs.Constant(f"{site.name}.flashnorm_deferred_weight", _concatenated(projections))
+    if any(p.dequantized for p in projections):
+        weight = _weight_in_graph(graph, site, plan)
+    else:
+        weight = gs.Constant(f"{site.name}.flashnorm_deferred_weight", _concatenated(projections))
     outputs, bias_nodes = [], []
     for p in projections:
         p.node.outputs.clear()  # the consumer's output tensor is now written by the new node
@@ -273,12 +329,37 @@ def apply_defer(graph: gs.Graph, site: NormSite, plan: DeferPlan) -> gs.Node:
             "splits": [p.shape[1] for p in projections],
             "strategy": contract.STRATEGY_AUTO,
         },
-        inputs=[plan.activation, weight_constant],
+        inputs=[plan.activation, weight],
         outputs=outputs,
     )
     graph.nodes.append(node)
     graph.nodes.extend(bias_nodes)
     return node
+
+
+def _weight_in_graph(graph: gs.Graph, site: NormSite, plan: DeferPlan) -> gs.Tensor:
+    """The node's [K, ΣN_i] weight computed by the graph from the consumers' weights as they
+    are (dequantized ones stay quantized in the file): each through a Transpose where it is
+    stored [N_i, K], then one Concat along N."""
+    dtype = plan.activation.dtype if plan.activation.dtype is not None else site.output.dtype
+    parts: list[gs.Tensor] = []
+    for i, p in enumerate(plan.projections):
+        if not p.dequantized:  # a constant: transposed and scaled by alpha as it is written
+            parts.append(gs.Constant(f"{site.name}.flashnorm_weight_{i}", _concatenated([p])))
+        elif p.transposed:
+            part = gs.Variable(f"{site.name}.flashnorm_weight_{i}", dtype=dtype, shape=list(p.shape))
+            graph.nodes.append(gs.Node("Transpose", name=f"{part.name}.transpose", attrs={"perm": [1, 0]},
+                                       inputs=[p.weight], outputs=[part]))
+            parts.append(part)
+        else:
+            parts.append(p.weight)
+    if len(parts) == 1:
+        return parts[0]
+    rows = plan.projections[0].shape[0]
+    weight = gs.Variable(f"{site.name}.flashnorm_deferred_weight", dtype=dtype,
+                         shape=[rows, sum(p.shape[1] for p in plan.projections)])
+    graph.nodes.append(gs.Node("Concat", name=f"{weight.name}.concat", attrs={"axis": 1}, inputs=parts, outputs=[weight]))
+    return weight
 
 
 def _concatenated(projections: list[Projection]) -> DerivedValues:
@@ -329,7 +410,8 @@ def defer(graph: gs.Graph) -> tuple[gs.Graph, PassReport]:
         report.add(site.name, "deferred", "", node=node.name, eps=float(site.eps), splits=node.attrs["splits"],
                    consumers=[f"{p.node.op} {p.node.name}" for p in plan.projections],
                    biases=sum(p.bias is not None for p in plan.projections),
-                   shape_readers=len(plan.shape_readers))
+                   shape_readers=len(plan.shape_readers),
+                   dequantized=[f"{p.node.op} {p.node.name}: {p.dequantized}" for p in plan.projections if p.dequantized])
     if report.count("deferred"):
         add_reference_functions(graph)
     graph.cleanup().toposort()

@@ -53,6 +53,7 @@ def format_text(report: dict[str, Any], verbose: bool = False) -> str:
                              f"{rounding['estimated_output_rel_l2']:.2g} (rel L2), at most {rounding['max_relative_change']:.2g} "
                              "per element")
         lines += _quantized_lines(report)
+        lines += _dequantized_lines(report["sites"], verbose)
         lines.append(f"{report['norm_sites']} sites, {report['foldable']} foldable, {report['cancellable']} cancellable, "
                      f"{report['deferrable']} deferrable after fold, {report['weightless']} already weightless")
     for r in report["rejected"]:
@@ -72,6 +73,24 @@ def _quantized_lines(report: dict[str, Any]) -> list[str]:
                                               f"the format's own noise (limit {report.get('quant_limit', 0):g})")
             lines.append(f"#{i} fold into {w['consumer']} ({w['format']}): {how}")
     return lines
+
+
+def _dequantized_lines(sites: list[dict[str, Any]], verbose: bool) -> list[str]:
+    """Deferrable sites whose node will read weights the graph dequantizes: per weight
+    (`verbose`), or one line per kind of dequantization naming the first site."""
+    weights = [(f"#{i}", d) for i, s in enumerate(sites) for d in s["defer"].get("dequantized", [])]
+    if verbose:
+        return [f"{site} defer reads a weight the graph dequantizes ({d}); it stays quantized in the file"
+                for site, d in weights]
+    kinds: dict[str, list[str]] = {}
+    for site, d in weights:
+        kinds.setdefault(d.rsplit(": ", 1)[-1], []).append(site)
+    return [f"{group[0]} defer reads weights the graph dequantizes ({kind}: {_count(len(group), 'weight')} at "
+            f"{_count(len(set(group)), 'site')}); they stay quantized in the file" for kind, group in kinds.items()]
+
+
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}" + ("" if n == 1 else "s")
 
 
 def _reasons(sites: list[dict[str, Any]], verbose: bool) -> list[str]:
