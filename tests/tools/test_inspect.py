@@ -39,7 +39,7 @@ def test_reasons_grouped_and_every_site_with_verbose(tmp_path, rng, capsys):
     assert reasons == [
         "#1 fold: consumer Transpose '…' is not a linear op with a constant weight (2 sites)",
         "#0 cancel: path reaches graph output '…' without a downstream RMSNorm (3 sites)",
-        "#1 defer: the norm has a gain (run fold first) (2 sites)",
+        "#1 defer: fold leaves the gain here (its reason says why); defer needs a weightless norm (2 sites)",
     ]
     every_site = [line for line in outputs[True] if line[:2] in _SITE_PREFIXES]
     assert len(every_site) == 2 + 3 + 2, "one line per site and step"
