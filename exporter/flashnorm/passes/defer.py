@@ -6,8 +6,8 @@ the norm's input, which has the same shape) becomes one
 `flashnorm::FlashNormMatMul<N>` node: inputs x and the consumers' weights concatenated along N,
 one output per consumer. A weight the graph dequantizes to the activation's type
 (DequantizeLinear, then Cast or Identity) stays quantized in the file: the node reads the
-dequantized tensor, through a Transpose and a Concat in the graph where the layout needs them. A Gemm bias stays a separate Add after the node (scale first, then
-bias: exact). The node carries what TensorRT's parser needs to pick the FlashNorm plugin
+dequantized tensor, through a Transpose and a Concat in the graph where the layout needs them.
+A Gemm bias stays a separate Add after the node (scale first, then bias: exact). The node carries what TensorRT's parser needs to pick the FlashNorm plugin
 (`plugin_version`, `plugin_namespace`; `eps` FLOAT, `splits` INTS and `strategy` INT become the
 plugin fields eps FLOAT32, splits INT32 and strategy INT32) and the model carries a model-local ONNX function of the
 same name with the reference decomposition, so ONNX Runtime (and TensorRT without the
@@ -35,7 +35,7 @@ from onnx_graphsurgeon.ir.tensor import LazyValues
 from flashnorm import contract
 from flashnorm.match import NormSite, find_norm_sites
 from flashnorm.match.projection import LinearUse, linear_use
-from flashnorm.match.queries import constant_value, numpy_dtype, producer, stored_dtype_name
+from flashnorm.match.queries import constant_value, numpy_dtype, onnx_to_numpy_dtype, producer, stored_dtype_name
 from flashnorm.modelio.values import DerivedValues, stored_values
 from flashnorm.progress import track
 from flashnorm.reference_functions import add_reference_functions
@@ -45,7 +45,20 @@ class NotDeferrable(Exception):
     """Why a site cannot become a FlashNormMatMul (one line)."""
 
 
-GAIN_KEPT = "the norm has a gain (run fold first)"
+class GainKept(NotDeferrable):
+    """The norm still has its gain: defer needs fold to have taken it."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Dequantization:
+    """A weight the graph computes as DequantizeLinear(constant codes, ...), then Cast/Identity."""
+
+    codes: gs.Constant
+    dtype: str
+    """The float type the chain writes ('float32', 'float16', 'bfloat16')."""
+
+    def __str__(self) -> str:
+        return f"DequantizeLinear {stored_dtype_name(self.codes) or 'codes'} → {self.dtype}"
 
 
 @dataclasses.dataclass
@@ -55,9 +68,8 @@ class Projection:
     node: gs.Node
     weight: gs.Tensor
     """The stored weight, [K, N_i] or, with `transposed`, [N_i, K]: a constant (not read by
-    planning) or, with `dequantized`, the tensor the graph's DequantizeLinear writes."""
+    planning) or, with `dequantized`, the tensor the graph's DequantizeLinear chain writes."""
 
-    stored_shape: tuple[int, int]
     transposed: bool
     alpha: float
     """Gemm's alpha, multiplied into the weight (in float64, cast back); 1 for a dequantized weight."""
@@ -66,13 +78,14 @@ class Projection:
     bias: Optional[np.ndarray] = None
     """Gemm's beta·C, added after the node; None without a bias."""
 
-    dequantized: str = ""
-    """How the graph dequantizes the weight ('DequantizeLinear int4 → float32'); '' for a constant."""
+    dequantized: Optional[Dequantization] = None
+    """How the graph dequantizes the weight; None for a constant."""
 
     @property
     def shape(self) -> tuple[int, int]:
         """[K, N_i]: the weight as the deferred node reads it."""
-        rows, columns = self.stored_shape
+        stored = self.dequantized.codes if self.dequantized else self.weight
+        rows, columns = (int(d) for d in stored.shape)
         return (columns, rows) if self.transposed else (rows, columns)
 
     def matrix(self, stored: np.ndarray) -> np.ndarray:
@@ -83,19 +96,18 @@ class Projection:
         return weight
 
 
-def _constant_matrix(use: LinearUse, where: str) -> tuple[gs.Tensor, bool, str]:
-    """A weight as a constant, whether it is stored [N, K], and '' — or, for a weight the graph
-    dequantizes, that tensor and how it is dequantized. An initializer is returned as it is (its
-    values stay unread); a weight computed from constants (Constant node, Cast, ...) is
-    evaluated into a new in-memory constant."""
+def _stored_matrix(use: LinearUse, where: str) -> tuple[gs.Tensor, bool, Optional[Dequantization]]:
+    """A weight, whether it is stored [N, K], and how the graph dequantizes it: a weight the
+    graph dequantizes is returned as the tensor its chain writes; an initializer as it is (its
+    values stay unread); a weight computed otherwise from constants (Constant node, Cast, ...)
+    is evaluated into a new in-memory constant."""
     tensor, _, transposed = use.stored_weight(where, NotDeferrable)
     dequantized = _dequantized_by(tensor)
     if dequantized is not None:
-        description, codes = dequantized
-        rank = len(codes.shape or ())
+        rank = len(dequantized.codes.shape or ())
         if rank != 2:
             raise NotDeferrable(f"{where}: dequantized weight {tensor.name!r} has rank {rank}, not 2")
-        return tensor, transposed, description
+        return tensor, transposed, dequantized
     if isinstance(tensor, gs.Constant):
         constant = tensor
     else:
@@ -109,7 +121,7 @@ def _constant_matrix(use: LinearUse, where: str) -> tuple[gs.Tensor, bool, str]:
     dtype = stored_dtype_name(constant)
     if dtype not in contract.FLOAT_TYPES:
         raise NotDeferrable(f"{where}: weight {tensor.name!r} has dtype {dtype} (quantized or integer)")
-    return constant, transposed, ""
+    return constant, transposed, None
 
 
 # Ops that multiply by a weight they dequantize themselves.
@@ -117,10 +129,11 @@ _QUANTIZED_PROJECTIONS = frozenset({"MatMulNBits", "MatMulInteger", "QLinearMatM
                                     "DynamicQuantizeMatMul", "MatMulBnb4", "QGemm"})
 
 
-def _dequantized_by(tensor: gs.Tensor) -> Optional[tuple[str, gs.Constant]]:
-    """('DequantizeLinear int4 → float16', the codes) when a DequantizeLinear of constant codes
-    (then Cast/Identity) writes `tensor`; None otherwise."""
-    source = tensor
+def _dequantized_by(tensor: gs.Tensor) -> Optional[Dequantization]:
+    """How a DequantizeLinear of constant codes (then Cast/Identity) writes `tensor`; None when
+    something else does. The type written: the tensor's own when known, else the Cast nearest
+    it, else the DequantizeLinear's output_dtype or scale type."""
+    source, cast_to = tensor, ""
     for _ in range(4):
         node = producer(source)
         if node is None:
@@ -129,32 +142,15 @@ def _dequantized_by(tensor: gs.Tensor) -> Optional[tuple[str, gs.Constant]]:
             codes = node.inputs[0]
             if not isinstance(codes, gs.Constant):
                 return None
-            return f"DequantizeLinear {stored_dtype_name(codes) or 'codes'} → {_dequantized_dtype(tensor)}", codes
+            output_dtype = int(node.attrs.get("output_dtype", 0))
+            written = onnx_to_numpy_dtype(output_dtype).name if output_dtype else stored_dtype_name(node.inputs[1])
+            return Dequantization(codes, stored_dtype_name(tensor) or cast_to or written)
         if node.op not in ("Cast", "Identity"):
             return None
+        if node.op == "Cast" and not cast_to:
+            cast_to = onnx_to_numpy_dtype(int(node.attrs["to"])).name
         source = node.inputs[0]
     return None
-
-
-def _dequantized_dtype(tensor: gs.Tensor) -> str:
-    """The float type a DequantizeLinear (then Cast/Identity) chain writes: the tensor's own when
-    known, else the last Cast's `to`, else the DequantizeLinear's scale type."""
-    known = stored_dtype_name(tensor)
-    if known:
-        return known
-    node = producer(tensor)
-    while node is not None and node.op == "Identity":
-        node = producer(node.inputs[0])
-    if node is not None and node.op == "Cast":
-        return _type_name(int(node.attrs["to"]))
-    if node is not None and node.op == "DequantizeLinear" and "output_dtype" in node.attrs:
-        return _type_name(int(node.attrs["output_dtype"]))
-    return stored_dtype_name(node.inputs[1]) if node is not None else ""
-
-
-def _type_name(onnx_type: int) -> str:
-    dtype = numpy_dtype(onnx_type)
-    return dtype.name if dtype is not None else TensorProto.DataType.Name(onnx_type).lower()
 
 
 def _quantized_consumer(node: gs.Node, tensor: gs.Tensor) -> Optional[str]:
@@ -187,7 +183,7 @@ def _quantized_projection(node: gs.Node, tensor: gs.Tensor) -> Optional[str]:
     except NotDeferrable:
         return None
     dequantized = _dequantized_by(weight) if weight is not None else None
-    return f"{where}: weight {weight.name!r} is dequantized in the graph ({dequantized[0]})" if dequantized else None
+    return f"{where}: weight {weight.name!r} is dequantized in the graph ({dequantized})" if dequantized else None
 
 
 def _projection(site: NormSite, node: gs.Node, dtype: str) -> Projection:
@@ -195,7 +191,7 @@ def _projection(site: NormSite, node: gs.Node, dtype: str) -> Projection:
     use = linear_use(node, site.output, where, NotDeferrable)
     if use is None:
         raise NotDeferrable(f"{where} is not a projection (MatMul or Gemm with a constant weight)")
-    weight, transposed, dequantized = _constant_matrix(use, where)
+    weight, transposed, dequantized = _stored_matrix(use, where)
     alpha = float(node.attrs.get("alpha", 1.0)) if node.op == "Gemm" else 1.0
     if dequantized and alpha != 1.0:
         raise NotDeferrable(f"{where}: Gemm alpha {alpha:g} on a weight dequantized in the graph ({dequantized})")
@@ -206,12 +202,10 @@ def _projection(site: NormSite, node: gs.Node, dtype: str) -> Projection:
             raise NotDeferrable(f"{where}: bias {use.bias.name!r} is not a constant")
         beta = float(node.attrs.get("beta", 1.0))
         bias = c if beta == 1.0 else (c.astype(np.float64) * beta).astype(c.dtype)
-    weight_dtype = _dequantized_dtype(weight) if dequantized else stored_dtype_name(weight)
+    weight_dtype = dequantized.dtype if dequantized else stored_dtype_name(weight)
     if weight_dtype != dtype:
         raise NotDeferrable(f"{where}: weight dtype {weight_dtype} differs from the activation's {dtype}")
-    shape = _dequantized_by(weight)[1].shape if dequantized else weight.shape
-    rows, columns = (int(d) for d in shape)
-    projection = Projection(node, weight, (rows, columns), transposed, alpha, node.outputs[0], bias, dequantized)
+    projection = Projection(node, weight, transposed, alpha, node.outputs[0], bias, dequantized)
     if site.hidden_size and projection.shape[0] != site.hidden_size:
         raise NotDeferrable(f"{where}: weight has {projection.shape[0]} rows, the norm has {site.hidden_size} channels")
     output = node.outputs[0]
@@ -244,6 +238,10 @@ class DeferPlan:
     shape_readers: list[gs.Node]
     """Shape nodes that read the normalized tensor; they will read the norm's input."""
 
+    def dequantized_weights(self) -> list[str]:
+        """'MatMul name: DequantizeLinear int4 → float32' for each weight the graph dequantizes."""
+        return [f"{p.node.op} {p.node.name}: {p.dequantized}" for p in self.projections if p.dequantized]
+
 
 def plan_defer(site: NormSite, graph_outputs: frozenset[str]) -> DeferPlan:
     """The projections one FlashNormMatMul replaces, or NotDeferrable with the reason.
@@ -255,7 +253,7 @@ def plan_defer(site: NormSite, graph_outputs: frozenset[str]) -> DeferPlan:
     if site.spelling == "SkipSimplifiedLayerNormalization":
         raise NotDeferrable("the norm's input is a residual sum computed inside the fused Skip node")
     if not site.is_weightless:
-        raise NotDeferrable(GAIN_KEPT)
+        raise GainKept("the norm has a gain (run fold first)")
     if site.axis != -1:
         raise NotDeferrable(f"normalized axis {site.axis} is not the last")
     if site.output.name in graph_outputs:
@@ -411,7 +409,7 @@ def defer(graph: gs.Graph) -> tuple[gs.Graph, PassReport]:
                    consumers=[f"{p.node.op} {p.node.name}" for p in plan.projections],
                    biases=sum(p.bias is not None for p in plan.projections),
                    shape_readers=len(plan.shape_readers),
-                   dequantized=[f"{p.node.op} {p.node.name}: {p.dequantized}" for p in plan.projections if p.dequantized])
+                   dequantized=plan.dequantized_weights())
     if report.count("deferred"):
         add_reference_functions(graph)
     graph.cleanup().toposort()

@@ -78,7 +78,7 @@ def _inspect(graph: gs.Graph, untie: bool, quant_limit: float) -> dict[str, Any]
 def _defer_after_fold(graph: gs.Graph, untie: bool, quant_limit: float) -> dict[str, dict[str, Any]]:
     """Whether `optimize --passes fold,defer` would defer each site: defer needs a weightless
     norm, so it is judged on a folded copy (site names are output names, which fold keeps)."""
-    from flashnorm.passes.defer import GAIN_KEPT, NotDeferrable, plan_defer
+    from flashnorm.passes.defer import GainKept, NotDeferrable, plan_defer
 
     shown, Progress.enabled = Progress.enabled, False  # a rehearsal, not a fold the user asked for
     try:
@@ -90,14 +90,12 @@ def _defer_after_fold(graph: gs.Graph, untie: bool, quant_limit: float) -> dict[
     for site in find_norm_sites(folded):
         try:
             plan = plan_defer(site, graph_outputs)
-            result[site.name] = {"applies": True, "reason": "",
-                                 "dequantized": [f"{p.node.op} {p.node.name}: {p.dequantized}"
-                                                 for p in plan.projections if p.dequantized]}
+            result[site.name] = {"applies": True, "reason": "", "dequantized": plan.dequantized_weights()}
+        except GainKept:  # judged after the fold: it is the fold that left the gain
+            result[site.name] = {"applies": False,
+                                 "reason": "fold leaves the gain here (its reason says why); defer needs a weightless norm"}
         except NotDeferrable as exc:
-            reason = str(exc)
-            if reason == GAIN_KEPT:  # judged after the fold: it is the fold that left the gain
-                reason = "fold leaves the gain here (its reason says why); defer needs a weightless norm"
-            result[site.name] = {"applies": False, "reason": reason}
+            result[site.name] = {"applies": False, "reason": str(exc)}
     return result
 
 
