@@ -6,6 +6,7 @@ equal logits, and the int8 weight-only criterion measured."""
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 
@@ -31,20 +32,23 @@ def original():
 
 @pytest.fixture(scope="module")
 def folded(original, tmp_path_factory):
-    """(report, model) for the default fold (tied head) and for --untie."""
+    """(report, model, folder) for the default fold (tied head) and for --untie; the folders
+    (1.1 GB together) are removed after the module."""
     from models import cache
 
+    root = tmp_path_factory.mktemp("smollm2")
     Progress.enabled = False
     try:
         result = {}
         for untie in (False, True):
-            out = tmp_path_factory.mktemp("smollm2") / ("untie" if untie else "tied")
+            out = root / ("untie" if untie else "tied")
             report = fold_checkpoint(cache.smollm2_source(), out, untie=untie, model=original)
             model = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
             result[untie] = (report, model, out)
-        return result
     finally:
         Progress.enabled = True
+    yield result
+    shutil.rmtree(root, ignore_errors=True)
 
 
 @pytest.fixture(scope="module")

@@ -13,6 +13,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import os
+import shutil
 import time
 from pathlib import Path
 from typing import Any, Sequence
@@ -161,24 +162,36 @@ def optimized(model_path: Path, passes: Sequence[str] = ("fold", "cancel"), *, u
     return path, report
 
 
-def float64(model_path: Path) -> Path:
-    """A float64 copy of `model_path` (synthetic.float64_model), cached beside it: the float64
-    reference a float32 model's rounding is measured against."""
-    import inspect
-
+def float64(model_path: Path, directory: Path) -> Path:
+    """A float64 copy of `model_path` (synthetic.float64_model) in `directory`: the float64
+    reference a float32 model's rounding is measured against (twice the model's size, so the
+    caller removes it after use)."""
     import onnx
 
     from flashnorm.files import atomic_write
     from synthetic import float64_model
 
-    key = hashlib.sha256(inspect.getsource(float64_model).encode()).hexdigest()[:12]
-    path = model_path.with_name(f"{model_path.stem}.float64.{key}.onnx")
-    if not path.exists():
-        started = time.monotonic()
-        with atomic_write(path) as handle:
-            handle.write(float64_model(onnx.load(str(model_path))).SerializeToString())
-        _TIMINGS[path.name] = time.monotonic() - started
+    path = directory / f"{model_path.stem}.float64.onnx"
+    started = time.monotonic()
+    with atomic_write(path) as handle:
+        handle.write(float64_model(onnx.load(str(model_path))).SerializeToString())
+    _TIMINGS[path.name] = time.monotonic() - started
     return path
+
+
+def release(path: Path) -> None:
+    """Remove a cached file or folder and every file derived beside it (optimized copies and
+    their reports, external data: names that begin with its stem and a dot). Nothing goes where
+    FLASHNORM_TEST_CACHE keeps the cache across sessions."""
+    if os.environ.get(CACHE_ENV):
+        return
+    prefix = (path.stem if path.suffix == ".onnx" else path.name) + "."
+    for entry in path.parent.iterdir():
+        if entry == path or entry.name.startswith(prefix):
+            if entry.is_dir():
+                shutil.rmtree(entry, ignore_errors=True)
+            else:
+                entry.unlink(missing_ok=True)
 
 
 def timings() -> dict[str, float]:

@@ -98,17 +98,17 @@ def test_fold_keeps_tied_head(smollm2_onnx):
     assert _counts(report).get("cancel.cancelled", 0) == 0
 
 
-def test_untie_folds_all(smollm2_onnx):
-    path, report = cache.optimized(smollm2_onnx, untie=True)
+def test_untie_folds_all(smollm2_onnx, smollm2_untied_onnx):
+    _, report = cache.optimized(smollm2_onnx, untie=True)  # the fixture's file: its report
     assert _counts(report)["fold.folded"] == SITES
     # The untied copy is a second [VOCAB, HIDDEN]-sized table: the head's own folded weight.
-    tables = [t for t in _weights(path).values() if sorted(t.dims) == [HIDDEN, VOCAB]]
+    tables = [t for t in _weights(smollm2_untied_onnx).values() if sorted(t.dims) == [HIDDEN, VOCAB]]
     assert len(tables) == 2
 
 
 @pytest.mark.parametrize("untie", [False, True], ids=["tied", "untied"])
-def test_logits_on_real_text(smollm2_onnx, smollm2_tokenizer, untie):
-    optimized, _ = cache.optimized(smollm2_onnx, untie=untie)
+def test_logits_on_real_text(smollm2_onnx, smollm2_folded_onnx, smollm2_untied_onnx, smollm2_tokenizer, untie):
+    optimized = smollm2_untied_onnx if untie else smollm2_folded_onnx
     ids = tokenize(TEXT, smollm2_tokenizer)
     feeds = [language_model_feeds(read_signature(smollm2_onnx), ids)]
     report = compare_models(smollm2_onnx, optimized, feeds, max_rel_l2=1e-5)
@@ -147,7 +147,7 @@ def test_dynamo_export_tied_fold(smollm2_dynamo_onnx, smollm2_tokenizer):
 
 
 @pytest.mark.parametrize("variant", ["original", "folded", "deferred"])
-def test_tensorrt_rtx_builds_the_real_model(variant, smollm2_onnx, smollm2_folded_onnx):
+def test_tensorrt_rtx_builds_the_real_model(variant, smollm2_onnx, smollm2_folded_onnx, smollm2_deferred_onnx):
     """TensorRT-RTX's ONNX parser and builder (the same open-source parser as TensorRT) take the
     original, the folded and the folded+cancelled+deferred SmolLM2-135M with no parser error
     and a dynamic profile up to 1×512 tokens; the deferred file's 60 FlashNormMatMul<N> nodes
@@ -163,7 +163,7 @@ def test_tensorrt_rtx_builds_the_real_model(variant, smollm2_onnx, smollm2_folde
             pytest.fail("tensorrt_rtx is not installed: CI installs it with the [dev] extra")
         pytest.skip("tensorrt_rtx is not installed (pip install -e '.[dev]')")
     model = {"original": smollm2_onnx, "folded": smollm2_folded_onnx,
-             "deferred": cache.optimized(smollm2_onnx, ("fold", "cancel", "defer"))[0]}[variant]
+             "deferred": smollm2_deferred_onnx}[variant]
     tokens = ShapeRange((1, 1), (1, 64), (1, 512))
     signature = read_signature(model)
     _, report = build_serialized_engine(model, BuildOptions(

@@ -31,8 +31,8 @@ BUDGET, TOP1_POINTS = 1.1, 0.5
 
 
 @pytest.fixture(scope="module", params=["fp16", "bf16"])
-def half_models(request, session_tmp):
-    half = cache.smollm2_export(session_tmp, dtype=request.param)
+def half_models(request, smollm2_fp16_onnx, smollm2_bf16_onnx):
+    half = {"fp16": smollm2_fp16_onnx, "bf16": smollm2_bf16_onnx}[request.param]
     folded, fold_report = cache.optimized(half)
     deferred, defer_report = cache.optimized(half, ("fold", "defer"))
     return request.param, {"half": half, "folded": folded, "deferred": deferred}, fold_report, defer_report
@@ -72,7 +72,8 @@ def test_half_error_budget_on_real_text(half_models, smollm2_onnx, smollm2_token
         assert errors[name].top1_agreement >= errors["half"].top1_agreement - TOP1_POINTS / 100
 
 
-def test_fp16_folded_before_rounding_on_onnxruntime(session_tmp, smollm2_onnx, smollm2_tokenizer):
+def test_fp16_folded_before_rounding_on_onnxruntime(smollm2_fp16_onnx, smollm2_fp16_prefolded_onnx, smollm2_onnx,
+                                                    smollm2_tokenizer):
     """Fold before rounding: fold-checkpoint moves the gains into the fp32 weights (in float64,
     one rounding to fp32), then `export --dtype fp16` rounds each weight once. On ONNX Runtime's
     CPU provider, which computes an fp16 model nearly in fp32 so that the fp16 file's fold, a
@@ -84,8 +85,7 @@ def test_fp16_folded_before_rounding_on_onnxruntime(session_tmp, smollm2_onnx, s
     from flashnorm import modelio
     from flashnorm.passes.dry_run import inspect_graph
 
-    half = cache.smollm2_export(session_tmp, dtype="fp16")
-    prefolded = cache.smollm2_export(session_tmp, dtype="fp16", prefolded=True)
+    half, prefolded = smollm2_fp16_onnx, smollm2_fp16_prefolded_onnx
     # The 60 folded norms arrive weightless in the file; else the ratio below proves nothing.
     assert inspect_graph(modelio.load(prefolded))["weightless"] == SITES - 1
     prefolded_deferred, report = cache.optimized(prefolded, ("fold", "defer"))

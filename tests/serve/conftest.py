@@ -12,8 +12,6 @@ import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from flashnorm import contract
-
 
 @pytest.fixture
 def projection_model(tmp_path, rng) -> Callable[..., tuple[Path, np.ndarray]]:
@@ -59,16 +57,3 @@ def pytriton_venv() -> Path:
     if not (venv / "bin" / "python").exists():
         pytest.fail(f"FLASHNORM_PYTRITON_VENV={venv} is not a virtual environment (no bin/python)")
     return venv
-
-
-@pytest.fixture(scope="session")
-def smollm2_deferred_onnx(smollm2_onnx) -> Path:
-    """SmolLM2-135M through fold, cancel and defer: FlashNormMatMul nodes whose model-local
-    ONNX function lets ONNX Runtime run them."""
-    from models import cache
-
-    path = cache.optimized(smollm2_onnx, ("fold", "cancel", "defer"))[0]
-    model = onnx.load(str(path), load_external_data=False)
-    deferred = [node.op_type for node in model.graph.node if contract.is_deferred_node(node.op_type, node.domain)]
-    assert deferred and set(deferred) <= {f.name for f in model.functions}, "defer pass did nothing"
-    return path

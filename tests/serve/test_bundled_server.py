@@ -10,6 +10,7 @@ malformed requests get errors and the server keeps serving; the server stops cle
 from __future__ import annotations
 
 import os
+import shutil
 import time
 
 import numpy as np
@@ -36,7 +37,8 @@ MAX_BATCH = 4
 
 def _serve(venv, onnx_path, root, name):
     """`flashnorm triton --triton-backend python` on one model, then a server on that repository,
-    yielded started and always stopped afterwards (the body of a fixture)."""
+    yielded started, always stopped afterwards and the repository (a copy of the model) removed
+    (the body of a fixture)."""
     # A queue delay long enough that concurrent requests meet in the dynamic batcher.
     code = cli.main([
         "triton", "--onnx", str(onnx_path), "--triton-backend", "python", "-o", str(root / name), "--name", name,
@@ -50,6 +52,7 @@ def _serve(venv, onnx_path, root, name):
     finally:
         server.stop()
         server.cleanup()
+        shutil.rmtree(root, ignore_errors=True)
 
 
 @pytest.fixture(scope="module")
@@ -105,9 +108,15 @@ def _relative_error(actual: np.ndarray, expected: np.ndarray) -> float:
     return float(np.abs(actual.astype(np.float64) - expected).max() / np.abs(expected).max())
 
 
-@pytest.mark.parametrize("model", [MODEL, DEFERRED])
-def test_logits_over_http_and_grpc_match_onnxruntime(model, request, reference, rng):
-    server = request.getfixturevalue("smollm2_served" if model == MODEL else "deferred_served")
+def test_folded_logits_over_http_and_grpc_match_onnxruntime(smollm2_served, reference, rng):
+    _assert_logits_match_onnxruntime(smollm2_served, MODEL, reference, rng)
+
+
+def test_deferred_logits_over_http_and_grpc_match_onnxruntime(deferred_served, reference, rng):
+    _assert_logits_match_onnxruntime(deferred_served, DEFERRED, reference, rng)
+
+
+def _assert_logits_match_onnxruntime(server, model: str, reference, rng) -> None:
     # ≥ 11 tokens: the [2, length, 49152] fp32 logits exceed 4 MiB, gRPC's default message limit.
     feeds = _feeds(rng, batch=2, length=int(rng.integers(11, 17)))
     expected = reference(feeds)

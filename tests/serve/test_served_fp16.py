@@ -60,11 +60,10 @@ MALFORMED = ("negative id", "id >= vocabulary", "float ids", "int32 ids", "short
 
 
 @pytest.fixture(scope="module")
-def fp16_folded(session_tmp):
+def fp16_folded(smollm2_fp16_onnx):
     from models import cache
 
-    half = cache.smollm2_export(session_tmp, dtype="fp16")
-    path, report = cache.optimized(half)
+    path, report = cache.optimized(smollm2_fp16_onnx)
     assert report["summary"]["fold.folded"] == 60  # 61 norm sites; the final one feeds the tied head
     return path
 
@@ -85,6 +84,7 @@ def served(pytriton_venv, fp16_folded, tmp_path_factory):
     finally:
         server.stop()
         server.cleanup()
+        shutil.rmtree(repo.parent, ignore_errors=True)  # a copy of the model
 
 
 @pytest.fixture(scope="module")

@@ -43,13 +43,10 @@ def test_demo_refuses_missing_export(tmp_path, capsys):
 
 
 @pytest.mark.slow
-def test_demo_fp16(session_tmp, tmp_path, capsys):
+def test_demo_fp16(smollm2_fp16_onnx, tmp_path, capsys):
     """`flashnorm demo --dtype fp16` on the fp16 export: optimized and compared in fp16 on ONNX
     Runtime, within a few units of fp16 rounding of the unfolded fp16 model."""
-    from models import cache
-
-    exported = cache.smollm2_export(session_tmp, dtype="fp16")
-    argv = ["demo", "-o", str(tmp_path), "--exported", str(exported), "--dtype", "fp16", "--tokens", "8",
+    argv = ["demo", "-o", str(tmp_path), "--exported", str(smollm2_fp16_onnx), "--dtype", "fp16", "--tokens", "8",
             "--report", str(tmp_path / "demo.json")]
     assert cli.main(argv) == 0
     out = capsys.readouterr().out
