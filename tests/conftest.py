@@ -69,10 +69,10 @@ def pytest_runtest_teardown(item, nextitem):
     try:
         return (yield)
     finally:
-        from models import cache
-
         for name in item.config.stash.get(_RELEASE_AFTER, {}).get(item.nodeid, ()):
             if name in _MADE:
+                from models import cache
+
                 cache.release(_MADE.pop(name))
                 _RELEASED.add(name)
 

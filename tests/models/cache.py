@@ -162,23 +162,6 @@ def optimized(model_path: Path, passes: Sequence[str] = ("fold", "cancel"), *, u
     return path, report
 
 
-def float64(model_path: Path, directory: Path) -> Path:
-    """A float64 copy of `model_path` (synthetic.float64_model) in `directory`: the float64
-    reference a float32 model's rounding is measured against (twice the model's size, so the
-    caller removes it after use)."""
-    import onnx
-
-    from flashnorm.files import atomic_write
-    from synthetic import float64_model
-
-    path = directory / f"{model_path.stem}.float64.onnx"
-    started = time.monotonic()
-    with atomic_write(path) as handle:
-        handle.write(float64_model(onnx.load(str(model_path))).SerializeToString())
-    _TIMINGS[path.name] = time.monotonic() - started
-    return path
-
-
 def release(path: Path) -> None:
     """Remove a cached file or folder and every file derived beside it (optimized copies and
     their reports, external data: names that begin with its stem and a dot). Nothing goes where
