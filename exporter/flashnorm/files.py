@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+import stat
 import tempfile
 from pathlib import Path
 from typing import IO, Iterator, Sequence
@@ -44,6 +45,7 @@ class StagedFile:
         os.fsync(self.fd)
         os.close(self.fd)
         self.fd = -1
+        check_replaceable_file(self.path, f"output {self.path}")  # again: it may have appeared since the check
         os.replace(self.temporary, self.path)
         self.committed = True
 
@@ -60,6 +62,7 @@ class SetAside:
     removes it."""
 
     def __init__(self, path: Path) -> None:
+        check_replaceable_file(path, f"output {path}")
         fd, temporary = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".old.tmp", dir=_directory(path))
         os.close(fd)
         try:
@@ -118,6 +121,29 @@ def atomic_write(path: str | os.PathLike[str], mode: str = "wb") -> Iterator[IO]
     except BaseException:
         staged.discard()
         raise
+
+
+def check_replaceable_file(target: Path, named: str) -> None:
+    """FlashNormError (one line, starting with `named`) unless `target` may be replaced by a file:
+    missing, a regular file, or a symlink (the link is replaced, never what it points to) to one.
+    Never a device, FIFO or socket: a rename would replace the node itself (as root, /dev/null)."""
+    try:
+        mode = os.stat(target).st_mode
+    except FileNotFoundError:
+        return
+    except OSError as exc:
+        raise FlashNormError(f"cannot write {named}: {exc.strerror}") from None
+    if stat.S_ISDIR(mode):
+        raise FlashNormError(f"{named} is a directory")
+    if not stat.S_ISREG(mode):
+        raise FlashNormError(f"{named} exists and is {_kind(mode)}, not a regular file; flashnorm replaces only "
+                             "regular files")
+
+
+def _kind(mode: int) -> str:
+    kinds = ((stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"), (stat.S_ISFIFO, "a FIFO"),
+             (stat.S_ISSOCK, "a socket"))
+    return next((name for test, name in kinds if test(mode)), "a special file")
 
 
 MARKER = ".flashnorm-output"
