@@ -72,14 +72,31 @@ def test_given_ids_and_past(tiny_llama_onnx, tiny_folded, capsys):
     (["--input-ids", "1,500"], "[0, 128)"),
     (["--past-length", "4"], "needs a model with KV-cache inputs"),
     (["--batch", "0"], "argument --batch: must be at least 1"),
-    (["--sequence", "1000000"], "these sizes need at least"),  # refused before allocating, not OOM-killed
-    (["--generate", "10000000"], "--generate/--tokens: these sizes need at least"),
+    # Refused before allocating, not OOM-killed: the export records the model's context (128 tokens).
+    (["--sequence", "1000000"], "--sequence: 1000000 positions exceed the model's context of 128 tokens"),
+    (["--generate", "10000000"], "--sequence/--generate: 10000016 positions exceed the model's context of 128"),
     (["--providers", "NoSuchExecutionProvider"], "available"),
 ])
 def test_bad_input_is_one_line(tiny_llama_onnx, tiny_folded, capsys, argv_tail, message):
     assert cli.main(["compare", str(tiny_llama_onnx), str(tiny_folded), *argv_tail]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and message in err
+
+
+def test_sizes_beyond_memory_are_refused_where_no_context_is_recorded(tiny_llama_onnx, tmp_path, capsys):
+    import onnx
+
+    model = onnx.load(str(tiny_llama_onnx))
+    kept = [(p.key, p.value) for p in model.metadata_props if p.key != "flashnorm.context_length"]
+    del model.metadata_props[:]
+    onnx.helper.set_model_props(model, dict(kept))
+    onnx.save(model, str(tmp_path / "other-exporter.onnx"))
+    for tail, message in ((["--sequence", "1000000"], "--batch/--sequence/--iterations: these sizes need at least"),
+                          (["--generate", "10000000"], "--generate/--tokens: these sizes need at least")):
+        assert cli.main(["compare", str(tmp_path / "other-exporter.onnx"), str(tmp_path / "other-exporter.onnx"),
+                         *tail]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and message in err, err
 
 
 def test_kv_cache_model_with_a_real_past(session_tmp, tmp_path, capsys):

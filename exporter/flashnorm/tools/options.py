@@ -146,23 +146,35 @@ def _number(kind: type, text: str) -> float | int:
     return value
 
 
-def at_least(lowest: float | int, kind: type = int):
-    """An argparse type: a `kind` number (finite) that is at least `lowest`."""
+INT32_LIMIT = 2**31 - 1
+"""The largest value of an int32 field (Triton's config.pbtxt counts, ONNX Runtime's threads)."""
+INT64_LIMIT = 2**63 - 1
+"""The largest value of an int64 (TensorRT's sizes and dimensions)."""
+
+
+def at_least(lowest: float | int, kind: type = int, highest: float | int | None = None):
+    """An argparse type: a `kind` number (finite) that is at least `lowest` (and at most
+    `highest`: where the value goes into a fixed-width field, a bound checked here instead of
+    an overflow in a binding later)."""
     def parse(text: str) -> float | int:
         value = _number(kind, text)
         if value < lowest:
             raise argparse.ArgumentTypeError(f"must be at least {lowest}, got {text}")
+        if highest is not None and value > highest:
+            raise argparse.ArgumentTypeError(f"must be at most {highest}, got {text}")
         return value
     parse.__name__ = f"{kind.__name__} >= {lowest}"
     return parse
 
 
-def positive(kind: type = float):
-    """An argparse type: a `kind` number (finite) greater than zero."""
+def positive(kind: type = float, highest: float | int | None = None):
+    """An argparse type: a `kind` number (finite) greater than zero (and at most `highest`)."""
     def parse(text: str) -> float | int:
         value = _number(kind, text)
         if not value > 0:
             raise argparse.ArgumentTypeError(f"must be greater than 0, got {text}")
+        if highest is not None and value > highest:
+            raise argparse.ArgumentTypeError(f"must be at most {highest}, got {text}")
         return value
     parse.__name__ = f"positive {kind.__name__}"
     return parse
