@@ -34,7 +34,9 @@ the type's roundoff (rel L2): the fold rounds g·W once (SmolLM2 fp16: 1.1 units
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("-o", "--output-dir", default="flashnorm-demo",
-                        help="where the exported and optimized models go (default ./flashnorm-demo)")
+                        help="where the exported and optimized models go (default ./flashnorm-demo; made if missing; "
+                             "what a failed run made there is removed). Model files of the same names there are "
+                             "replaced atomically; a folder, device or FIFO of those names is refused, never replaced")
     parser.add_argument("--exported", metavar="ONNX",
                         help=f"use this export of {MODEL} instead of exporting again")
     parser.add_argument("--untie", action="store_true", help="also fold the final norm into a copy of the tied head")

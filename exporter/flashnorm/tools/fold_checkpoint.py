@@ -14,6 +14,7 @@ from flashnorm.passes.quantization_aware import FORMATS
 from flashnorm.paths import Input, Output
 from flashnorm.tools.options import (
     DTYPE_CHOICES,
+    FOLDER_OUTPUT,
     add_model_source_options,
     at_least,
     dtype_option,
@@ -24,7 +25,7 @@ from flashnorm.tools.options import (
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_model_source_options(parser)
-    parser.add_argument("-o", "--output", required=True, help="the folded checkpoint's directory (missing or empty)")
+    parser.add_argument("-o", "--output", required=True, help="the folded checkpoint's directory" + FOLDER_OUTPUT)
     parser.add_argument("--force", action="store_true", help="replace OUTPUT even if it is a non-empty directory")
     parser.add_argument("--untie", action="store_true",
                         help="give a tied LM head its own folded weight (tie_word_embeddings becomes false); "

@@ -15,12 +15,24 @@ from flashnorm.engine.loader import BACKENDS
 from flashnorm.paths import Input, Output
 
 
+FILE_OUTPUT = ("; a regular file there is replaced atomically, anything else (a folder, a device such as /dev/null, "
+               "a FIFO) is refused, never replaced")
+"""How a file output treats what is already there: the end of every -o help (flashnorm.paths)."""
+FOLDER_OUTPUT = ("; it must be missing or empty, or with --force a folder flashnorm wrote; anything else is refused, "
+                 "never replaced")
+"""How a folder output treats what is already there."""
+
+
 def add_output_options(parser: argparse.ArgumentParser) -> None:
     """--report, -q, -v: every subcommand."""
     group = parser.add_argument_group("output")
     group.add_argument("--report", metavar="PATH",
-                       help="also write the command's report as JSON to PATH ('-' prints JSON instead of text)")
-    group.add_argument("-q", "--quiet", action="store_true", help="print nothing but errors")
+                       help="also write the command's report as JSON to PATH. '-' or /dev/stdout prints the JSON "
+                            "instead of the text report, /dev/stderr writes it there (written through, not "
+                            "replaced)" + FILE_OUTPUT)
+    group.add_argument("-q", "--quiet", action="store_true",
+                       help="print nothing but errors and, for a failed check, its verdict line (no progress, no "
+                            "report)")
     group.add_argument("-v", "--verbose", action="store_true",
                        help="more detail: every site in the text report, instead of skipped sites grouped by "
                             "reason (the JSON report always lists every site); build: TensorRT's verbose log")

@@ -21,6 +21,7 @@ from pathlib import Path
 from flashnorm.errors import FlashNormError, require_file
 from flashnorm.paths import Input, Output
 from flashnorm.tools.options import (
+    FOLDER_OUTPUT,
     INT32_LIMIT,
     INT64_LIMIT,
     DeprecatedAlias,
@@ -53,7 +54,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_shapes_option(source, "--triton-backend tensorrt: the optimization profile the engine was built with (as "
                               "given to `flashnorm build --shapes`), checked against --max-batch-size and the dims; "
                               "read from the engine instead where TensorRT is importable")
-    parser.add_argument("-o", "--output", required=True, metavar="REPO", help="model repository folder to write")
+    parser.add_argument("-o", "--output", required=True, metavar="REPO", help="model repository folder to write" + FOLDER_OUTPUT)
     parser.add_argument("--force", action="store_true", help="replace REPO if it exists and is not empty")
     config = parser.add_argument_group("config.pbtxt")
     config.add_argument("--name", help="model name (default: the model file's name without extension)")
