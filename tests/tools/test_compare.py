@@ -6,6 +6,7 @@ tensors."""
 from __future__ import annotations
 
 import json
+import re
 
 import numpy as np
 import onnx
@@ -61,6 +62,16 @@ def test_perturbed_model_fails_with_exit_1(tiny_llama_onnx, tmp_path, capsys, rn
     assert cli.main(["compare", str(tiny_llama_onnx), str(tmp_path / "bad.onnx"), "--report", "-"]) == 1
     report = json.loads(capsys.readouterr().out)
     assert report["passed"] is False and report["outputs"][0]["rel_l2"] > 1e-4
+
+
+def test_quiet_still_ends_a_failed_comparison_with_its_verdict_and_seed(tiny_llama_onnx, tmp_path, capsys, rng):
+    _perturbed(tiny_llama_onnx, tmp_path / "bad.onnx", rng)
+    capsys.readouterr()
+    assert cli.main(["compare", str(tiny_llama_onnx), str(tmp_path / "bad.onnx"), "-q", "--seed", "5"]) == 1
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert re.fullmatch(r"flashnorm compare: failed: output logits: max abs \S+, rel L2 \S+ \(atol 0.0001, rtol 0.001, "
+                        r"max rel L2 1e-05\); seed 5 \(--seed 5 replays these inputs\)\n", captured.err), captured.err
 
 
 def test_given_ids_and_past(tiny_llama_onnx, tiny_folded, capsys):
