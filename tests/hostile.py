@@ -4,7 +4,7 @@ against it.
 `build(root)` writes, under `root/work` (the commands' current folder):
 - `models/`: ONNX files whose external data leaves the folder (`../`, absolute, a symlink), names
   a NUL byte, is a FIFO or a device node, is declared beyond its file, or is replaced while it is
-  read; a model that is a FIFO, a device node, a sparse 64 MiB file of zeros, a truncated file, a
+  read (and a checkpoint whose shard is); a model that is a FIFO, a device node, a sparse 64 MiB file of zeros, a truncated file, a
   tensor whose declared size is 2**40 bytes; GGUF files with truncated and oversized headers;
   engine plans that are a FIFO, a device node, a TensorRT-RTX plan.
 - `hf_*/`: Hugging Face checkpoints whose index maps tensors to `../` and absolute shard names, a
@@ -63,13 +63,17 @@ SHAPES = {"model.embed_tokens.weight": (64, 16), "model.layers.0.input_layernorm
 @dataclasses.dataclass
 class Case:
     """One command line against one hostile file. `names`: a text the refusal's line must hold
-    (what it refused), or "" where any one line will do. `race`: a data file to replace once the
-    command has opened it (deterministic concurrent replacement)."""
+    (what it refused), or "" where any one line will do. `race`: a data file to replace as soon as
+    the command, past its path guard, opens or reads it (deterministic concurrent replacement)."""
 
     id: str
     argv: list[str]
     names: str = ""
     race: str = ""
+    statuses: tuple[int, ...] = (2,)
+    """The exit statuses that refuse it: 2, and for `compare --engine` 3 as well (TensorRT cannot
+    load the plan: nothing was compared, said with TensorRT's reason; on a machine without a GPU
+    TensorRT cannot tell a corrupt plan from one built for a GPU)."""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -216,11 +220,12 @@ def build(root: Path, rng: np.random.Generator) -> list[str]:
     (models / "truncated.onnx").write_bytes(good_bytes[: len(good_bytes) // 2])
     (models / "oversized.onnx").write_bytes(_oversized_tensor(model))
     retrained = _model(np.random.default_rng(rng.integers(2**63)))  # the same graph, other weights
-    for command in ("inspect", "optimize"):  # replaced once opened: each race case has its own pair
-        graph, weights = _external(model, f"race_{command}.onnx.data")
-        (models / f"race_{command}.onnx").write_bytes(graph)
-        (models / f"race_{command}.onnx.data").write_bytes(weights)
-        (models / f"race_{command}.replacement").write_bytes(_external(retrained, "x")[1])
+    graph, weights = _external(model, "race.onnx.data")
+    (models / "race.onnx").write_bytes(graph)
+    (models / "race.onnx.data").write_bytes(weights)
+    (models / "race.replacement").write_bytes(_external(retrained, "x")[1])
+    _checkpoint(work / "hf_race", shard=shard)
+    (work / "hf_race" / "model.replacement").write_bytes(_safetensors(rng))
 
     _checkpoint(work / "hf_good", shard=shard)
     for name, shard_name in (("hf_traverse", "../outside/evil.safetensors"),
@@ -295,9 +300,10 @@ def cases(root_user: bool, root: Path) -> list[Case]:
             "demo": ["demo", "--exported", model, "-o", f"out/{stem}_demo"],
         }
         cases += [Case(f"{command}:{name}", argv, refused) for command, argv in lines.items()]
-    for command in ("inspect", "optimize"):
-        argv = [command, f"models/race_{command}.onnx"] + (["-o", "out/race.onnx"] if command == "optimize" else [])
-        cases.append(Case(f"{command}:data replaced while read", argv, race=f"models/race_{command}.onnx.data"))
+    cases.append(Case("optimize:data replaced while read", ["optimize", "models/race.onnx", "-o", "out/race.onnx"],
+                      race="models/race.onnx.data"))
+    cases.append(Case("fold-checkpoint:shard replaced while read", ["fold-checkpoint", "hf_race", "-o", "folded_race"],
+                      race="hf_race/model.safetensors"))
     for source, refused in [*checkpoints.items(), *((f"models/{g}", "") for g in gguf)]:
         stem = Path(source).name.split(".")[0]
         cases.append(Case(f"export:{source}", ["export", source, "-o", f"out/{stem}.onnx"], refused))
@@ -306,7 +312,7 @@ def cases(root_user: bool, root: Path) -> list[Case]:
         cases.append(Case(f"triton:{plan}", ["triton", "--engine", f"models/{plan}", "--plugin", "models/plugin.so",
                                              "--io", "in:x:fp32:-1,32", "--io", "out:y:fp32:-1,32", "-o", "out/plan_repo"]))
         cases.append(Case(f"compare --engine:{plan}", ["compare", good, good, "--engine", f"models/{plan}",
-                                                       "--backend", "tensorrt-rtx"]))
+                                                       "--backend", "tensorrt-rtx"], statuses=(2, 3)))
     for special in specials:
         target = f"out/{special}"
         lines = {
@@ -360,39 +366,44 @@ def _alarm(signum: int, frame: Any) -> None:
 
 
 @contextlib.contextmanager
-def _replaced_once_opened(target: Path, replacement: Path):
-    """Replace `target` by `replacement` (os.replace: a new inode at the same path) right after
-    the first time this process opens `target` for reading, by any of Python's openers: the
-    writer of issue 47 that swaps a model's .data while a command reads it, made deterministic."""
+def _replaced_once_read(target: Path, replacement: Path):
+    """Replace `target` by `replacement` (os.replace: a new inode at the same path) as soon as
+    the command, its path guard passed, has opened `target` or read from it through one of
+    Python's openers (open, os.open, numpy.fromfile): the writer of issue 47 that swaps a model's
+    .data while a command reads it, made deterministic. Whatever the command reads after that
+    moment through a new open is the new file."""
     import builtins
 
+    from flashnorm import cli
+
     resolved = os.path.realpath(target)
-    state = {"done": False}
-    real_open, real_os_open = builtins.open, os.open
+    state = {"armed": False, "done": False}
+    real = {"open": builtins.open, "os.open": os.open, "fromfile": np.fromfile, "guard": cli._check_paths}
 
     def swap(path: Any) -> None:
-        if not state["done"] and isinstance(path, (str, bytes, os.PathLike)) and \
+        if state["armed"] and not state["done"] and isinstance(path, (str, bytes, os.PathLike)) and \
                 os.path.realpath(os.fsdecode(path)) == resolved:
             state["done"] = True
             os.replace(replacement, target)
 
-    def patched_open(file, *args, **kwargs):
-        handle = real_open(file, *args, **kwargs)
-        swap(file)
-        return handle
+    def after(function: Callable) -> Callable:
+        def call(path, *args, **kwargs):
+            result = function(path, *args, **kwargs)
+            swap(path)
+            return result
+        return call
 
-    def patched_os_open(path, *args, **kwargs):
-        descriptor = real_os_open(path, *args, **kwargs)
-        swap(path)
-        return descriptor
+    def guard(*args, **kwargs):
+        real["guard"](*args, **kwargs)
+        state["armed"] = True
 
-    builtins.open = io.open = patched_open
-    os.open = patched_os_open
+    builtins.open = io.open = after(real["open"])
+    os.open, np.fromfile, cli._check_paths = after(real["os.open"]), after(real["fromfile"]), guard
     try:
         yield state
     finally:
-        builtins.open = io.open = real_open
-        os.open = real_os_open
+        builtins.open = io.open = real["open"]
+        os.open, np.fromfile, cli._check_paths = real["os.open"], real["fromfile"], real["guard"]
 
 
 @contextlib.contextmanager
@@ -430,7 +441,7 @@ def run_case(root: Path, case: Case, main: Callable[[list[str]], int]) -> dict[s
     race: Any = contextlib.nullcontext({"done": False})
     if case.race:
         data = root / "work" / case.race
-        race = _replaced_once_opened(data, data.with_suffix("").with_suffix(".replacement"))
+        race = _replaced_once_read(data, data.with_suffix("").with_suffix(".replacement"))
     status: int | str = "not run"
     swapped = {"done": False}
     started = time.monotonic()
@@ -464,13 +475,18 @@ def _warm_up() -> None:
                    "safetensors", "tensorrt_rtx"):
         with contextlib.suppress(ImportError):
             __import__(module)
+    with contextlib.suppress(ImportError, AttributeError):
+        import transformers
+
+        transformers.LlamaForCausalLM  # noqa: B018 - transformers imports a model's code when it is first named
 
 
 def drive(root: Path, ids: list[str]) -> None:
     """Run the cases named by `ids`, one after another; for each, a `START id` line (so that the
     parent knows which case hangs) and a `RESULT {...}` line on the descriptor stdout had."""
     protocol = os.fdopen(os.dup(1), "w")
-    everything = {fields["id"]: Case(**fields) for fields in json.loads((root / "cases.json").read_text())}
+    everything = {fields["id"]: Case(**{**fields, "statuses": tuple(fields["statuses"])})
+                  for fields in json.loads((root / "cases.json").read_text())}
     os.chdir(root / "work")
     _warm_up()
     from flashnorm import cli
