@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 from pathlib import Path
 
 import numpy as np
@@ -261,42 +262,105 @@ def test_failed_save_leaves_previous_files_untouched(external_model, monkeypatch
     np.testing.assert_array_equal(_constant(modelio.load(out), "w_up").values, up.values)
 
 
-def _fail_commit(monkeypatch, failing_call: int) -> None:
-    """Make the `failing_call`-th rename into place (1: data file, 2: model file) fail."""
-    calls = {"n": 0}
-    real_commit = files.StagedFile.commit
-
-    def commit(self):
-        calls["n"] += 1
-        if calls["n"] == failing_call:
-            raise OSError(5, "Input/output error")
-        real_commit(self)
-
-    monkeypatch.setattr(files.StagedFile, "commit", commit)
+def _pair_at(out: Path) -> dict[str, np.ndarray]:
+    """The weights the model at `out` reads, through onnx's own loader: a model whose data file
+    is missing or too short fails here."""
+    return {t.name: numpy_helper.to_array(t) for t in onnx.load(str(out)).graph.initializer}
 
 
-def test_failure_between_the_two_renames_leaves_no_model_reading_the_new_data(external_model, monkeypatch):
-    """Once the new data file is in place, the old model beside it would read it at its old
-    offsets: a failure before the model's rename must not leave that pair behind."""
+def _same(weights: dict[str, np.ndarray], expected: dict[str, np.ndarray]) -> bool:
+    return weights.keys() == expected.keys() and all(np.array_equal(weights[k], expected[k]) for k in weights)
+
+
+# Every file-system step of `files.commit_with_data` and the staged writes it makes.
+_COMMIT_STEPS = ("replace", "link", "unlink", "fsync")
+
+
+def _count_steps(monkeypatch, on_step) -> None:
+    """Call `on_step(name)` after each file-system step; it may raise to make the next one fail."""
+    for name in _COMMIT_STEPS:
+        real = getattr(os, name)
+
+        def step(*args, _real=real, _name=name, **kwargs):
+            on_step(_name, before=True)
+            result = _real(*args, **kwargs)
+            on_step(_name, before=False)
+            return result
+
+        monkeypatch.setattr(os, name, step)
+
+
+def test_replacing_a_model_and_its_data_keeps_a_complete_pair_at_every_step(external_model, monkeypatch):
+    """Saving over an earlier output: after every rename, link, unlink and fsync, the model at
+    the destination reads either all the old weights or all the new ones (a SIGKILL at any
+    instant leaves one pair), and one data file is left: the new one."""
     graph, out, up = _saved_copy_then_changed(external_model)
-    _fail_commit(monkeypatch, failing_call=2)
-    with pytest.raises(OSError):
-        modelio.save(graph, out)
-    assert not out.exists()
-    assert _leftovers(out.parent) == []
-    monkeypatch.undo()
+    old, new_up = _pair_at(out), np.array(up.values)
+    states: list[str] = []
+
+    def observe(name, before):
+        if not before:
+            weights = _pair_at(out)
+            states.append("old" if _same(weights, old) else "new")
+            assert states[-1] == "old" or np.array_equal(weights["w_up"], new_up), (name, len(states))
+
+    _count_steps(monkeypatch, observe)
     modelio.save(graph, out)
-    np.testing.assert_array_equal(_constant(modelio.load(out), "w_up").values, up.values)
+    monkeypatch.undo()
+    assert "old" in states and states[-1] == "new"
+    assert states == sorted(states, key=["old", "new"].index), "never back to the old pair once switched"
+    # The earlier data file's name was taken: the new one has its own, and the earlier one went.
+    names = sorted(p.name for p in out.parent.iterdir())
+    assert names[:2] == ["model.onnx", "out.onnx"] and names[3:] == ["weights.bin"], names
+    assert re.fullmatch(r"out\.onnx\.[a-z0-9_]{8}\.data", names[2]), names
+    np.testing.assert_array_equal(_pair_at(out)["w_up"], up.values)
+    modelio.save(graph, out)  # and the next save over it takes the usual name again
+    assert sorted(p.name for p in out.parent.iterdir()) == ["model.onnx", "out.onnx", "out.onnx.data", "weights.bin"]
 
 
-def test_failed_data_rename_puts_the_previous_model_back(external_model, monkeypatch):
-    graph, out, _ = _saved_copy_then_changed(external_model)
-    before = (_digest(out), _digest(out.with_name("out.onnx.data")))
-    _fail_commit(monkeypatch, failing_call=1)
-    with pytest.raises(OSError):
-        modelio.save(graph, out)
-    assert (_digest(out), _digest(out.with_name("out.onnx.data"))) == before
-    assert _leftovers(out.parent) == []
+def test_a_failure_at_any_step_leaves_the_old_pair_or_the_new_one(external_model, tmp_path, monkeypatch):
+    """Failure injection at each step of a save over an earlier output: a save that raises
+    leaves the old model and data exactly as they were and no file of its own; one that
+    returns leaves the new pair and no other data file."""
+    source, _ = external_model
+
+    def fresh(run: str):
+        folder = tmp_path / run
+        folder.mkdir()
+        for name in ("model.onnx", "weights.bin"):
+            (folder / name).write_bytes((source.parent / name).read_bytes())
+        return _saved_copy_then_changed((folder / "model.onnx", None))
+
+    steps: list[str] = []
+    graph, out, _ = fresh("count")
+    _count_steps(monkeypatch, lambda name, before: before and steps.append(name))
+    modelio.save(graph, out)  # one clean run: which steps there are
+    monkeypatch.undo()
+    assert {"fsync", "replace", "unlink"} <= set(steps), steps
+    for failing in range(1, len(steps) + 1):
+        graph, out, up = fresh(f"fail{failing}")
+        before = {p.name: _digest(p) for p in out.parent.iterdir()}
+        count = {"n": 0}
+
+        def fail(name, before, failing=failing):
+            if before:
+                count["n"] += 1
+                if count["n"] == failing:
+                    raise OSError(5, "Input/output error")
+
+        _count_steps(monkeypatch, fail)
+        try:
+            modelio.save(graph, out)
+            raised = False
+        except OSError:
+            raised = True
+        monkeypatch.undo()
+        if raised:
+            assert {p.name: _digest(p) for p in out.parent.iterdir()} == before, steps[failing - 1]
+        else:
+            np.testing.assert_array_equal(_pair_at(out)["w_up"], up.values)
+            data = [p.name for p in out.parent.iterdir() if p.name.startswith("out.onnx.")]
+            assert len(data) == 1 and _leftovers(out.parent) == [], (steps[failing - 1], data)
 
 
 def test_inline_models_stay_inline_and_round_trip(tmp_path, rng):
@@ -654,7 +718,7 @@ def test_inline_model_is_parsed_exactly(tmp_path, rng):
     model = _model(_weights(rng))
     path = tmp_path / "exact.onnx"
     path.write_bytes(model.SerializeToString())
-    assert loading._parse_model(path) == onnx.load(str(path))
+    assert loading._parse_model(loading._open_model(path)) == onnx.load(str(path))
 
 
 _PEAK_SCRIPT = """

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from flashnorm.errors import FlashNormError
+from flashnorm.export.checks import check_gguf, check_model_directory, read_json, safetensors_shards
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,21 +73,22 @@ def resolve_source(path: str | os.PathLike[str] | None = None, model: str | None
     location = Path(path)
     if not location.exists():
         raise FlashNormError(f"model {location} does not exist (give a Hugging Face directory or a .gguf file)")
-    if location.is_file():
+    if not location.is_dir():
         if location.suffix.lower() != ".gguf":
             raise FlashNormError(
                 f"{location} is not a model: expected a Hugging Face directory or a .gguf file"
             )
+        check_gguf(location)
         return ModelSource(location.resolve().parent, location.name)
+    check_model_directory(location)
     config = location / "config.json"
     if not config.is_file():
         ggufs = sorted(p.name for p in location.glob("*.gguf"))
         hint = f" (it holds {', '.join(ggufs)}: pass the file)" if ggufs else ""
         raise FlashNormError(f"{location} is not a Hugging Face model directory: no config.json{hint}")
-    try:
-        json.loads(config.read_text())
-    except (OSError, ValueError) as exc:
-        raise FlashNormError(f"{config} is not readable JSON: {exc}") from None
+    if not isinstance(read_json(config, "config"), dict):
+        raise FlashNormError(f"{config} is not a Hugging Face config: not a JSON object")
+    safetensors_shards(location)
     return ModelSource(location.resolve())
 
 
