@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import os
 import re
+import time
 from pathlib import Path
 
 import numpy as np
@@ -363,6 +364,20 @@ def test_a_failure_at_any_step_leaves_the_old_pair_or_the_new_one(external_model
             assert len(data) == 1 and _leftovers(out.parent) == [], (steps[failing - 1], data)
 
 
+def test_exported_models_replace_an_earlier_output_as_one_pair(tmp_path, rng, monkeypatch):
+    """export's writer (onnx.save_model's files, adopted) goes through the same commit: the
+    second export over the first leaves the new model reading the new data, one data file."""
+    from flashnorm.export import onnx_export
+
+    monkeypatch.setattr(onnx_export, "EXTERNAL_DATA_THRESHOLD", 0)
+    out = tmp_path / "m.onnx"
+    for weights in (_weights(rng), _weights(rng)):
+        onnx_export.save_model(_model(weights), out)
+        assert _same({k: v for k, v in _pair_at(out).items() if k != "eps"}, weights)
+        assert len([p for p in tmp_path.iterdir() if p.name.endswith(".data")]) == 1
+    assert _leftovers(tmp_path) == [] and not any(p.name.startswith(".flashnorm-save-") for p in tmp_path.iterdir())
+
+
 def test_inline_models_stay_inline_and_round_trip(tmp_path, rng):
     weights = _weights(rng)
     source = tmp_path / "inline.onnx"
@@ -672,6 +687,112 @@ def test_external_data_must_stay_beside_the_model(tmp_path, location):
     with pytest.raises(FlashNormError) as excinfo:
         modelio.load(path)
     _assert_one_line(excinfo, location, "relative path")
+
+
+def _external_weight(tmp_path: Path, location: str = "w.bin", **entries: str) -> Path:
+    """model/escape.onnx whose weight W is 64 bytes at `location` (w.bin written beside it)."""
+    folder = tmp_path / "model"
+    folder.mkdir(exist_ok=True)
+    (folder / "w.bin").write_bytes(np.arange(16, dtype=np.float32).tobytes())
+    weight = TensorProto(name="W", dims=[4, 4], data_type=TensorProto.FLOAT, data_location=TensorProto.EXTERNAL)
+    weight.external_data.add(key="location", value=location)
+    for key, value in entries.items():
+        weight.external_data.add(key=key, value=value)
+    path = folder / "escape.onnx"
+    path.write_bytes(_single_matmul(weight).SerializeToString())
+    return path
+
+
+def test_external_data_may_not_leave_the_folder_through_a_symlink(tmp_path):
+    """As ONNX Runtime decides: the location resolved, symlinks included, stays in the folder."""
+    path = _external_weight(tmp_path, "link.bin")
+    os.symlink("w.bin", path.with_name("link.bin"))  # inside: fine
+    np.testing.assert_array_equal(_constant(modelio.load(path), "W").values.reshape(-1), np.arange(16))
+    (tmp_path / "outside.bin").write_bytes(path.with_name("w.bin").read_bytes())
+    path.with_name("link.bin").unlink()
+    os.symlink("../outside.bin", path.with_name("link.bin"))
+    for read in (modelio.load, modelio.external_data_files):
+        with pytest.raises(FlashNormError) as excinfo:
+            read(path)
+        _assert_one_line(excinfo, "'link.bin'", "through a symbolic link", str(tmp_path / "outside.bin"))
+
+
+@pytest.mark.parametrize("entries, why", [
+    ({"location": "w\x00.bin"}, "NUL byte"),
+    ({"offset": "+0"}, "malformed external data offset"),
+    ({"offset": "1_0"}, "malformed external data offset"),
+    ({"length": "\u0666\u0664"}, "malformed external data offset"),  # Arabic-Indic digits: int() takes them
+    ({"offset": str(1 << 70)}, "truncated"),
+])
+def test_external_data_entries_are_read_strictly(tmp_path, entries, why):
+    entries = dict(entries)
+    path = _external_weight(tmp_path, entries.pop("location", "w.bin"), **entries)
+    for read in (modelio.load, modelio.external_data_files):
+        with pytest.raises(FlashNormError) as excinfo:
+            read(path)
+        _assert_one_line(excinfo, why)
+
+
+def test_a_negative_dimension_is_refused(tmp_path):
+    path = _external_weight(tmp_path)
+    model = onnx.load(str(path), load_external_data=False)
+    del model.graph.initializer[0].dims[:]
+    model.graph.initializer[0].dims.extend([-4, -4])
+    path.write_bytes(model.SerializeToString())
+    with pytest.raises(FlashNormError) as excinfo:
+        modelio.external_data_files(path)
+    _assert_one_line(excinfo, "negative dimension")
+
+
+def test_a_sparse_file_of_zeros_is_refused_at_once(tmp_path):
+    """Protobuf's field number 0 does not exist: refused at the second byte, not parsed as a
+    1 GiB run of empty fields (about 45 minutes at the rate the walk reads them)."""
+    path = tmp_path / "zeros.onnx"
+    with open(path, "wb") as handle:
+        handle.truncate(1 << 30)
+    started = time.monotonic()
+    with pytest.raises(FlashNormError) as excinfo:
+        modelio.read_interface(path)
+    _assert_one_line(excinfo, "not an ONNX model", "field number 0")
+    assert time.monotonic() - started < 1
+    with open(path, "wb") as handle:
+        handle.truncate(wire.PROTOBUF_LIMIT)
+    with pytest.raises(FlashNormError) as excinfo:
+        modelio.load(path)
+    _assert_one_line(excinfo, "over protobuf's 2 GiB limit")
+
+
+@pytest.mark.parametrize("content, why", [
+    (wire.varint(7 << 3 | 2) + wire.varint(1 << 60), "runs past"),  # a graph longer than the file: nothing allocated
+    (wire.varint(8 << 3 | 2) + wire.varint(1 << 40) + b"x", "runs past"),
+    (b"\x08" + b"\xff" * 11, "varint too long"),
+    (wire.varint(1 << 3 | 3), "unsupported wire type 3"),
+])
+def test_lengths_are_checked_against_the_file_before_reading(tmp_path, content, why):
+    path = tmp_path / "framing.onnx"
+    path.write_bytes(content)
+    with pytest.raises(FlashNormError) as excinfo:
+        modelio.load(path)
+    _assert_one_line(excinfo, "not an ONNX model", why)
+
+
+def test_a_model_of_countless_tiny_fields_is_refused(tmp_path, monkeypatch):
+    """Legal protobuf (ir_version, again and again), but more fields than any model has: the
+    walk stops at the limit instead of running for as long as the file lasts."""
+    monkeypatch.setattr(wire, "MAX_MODEL_FIELDS", 1000)
+    path = tmp_path / "fields.onnx"
+    path.write_bytes(b"\x08\x01" * 1001)
+    with pytest.raises(FlashNormError) as excinfo:
+        modelio.load(path)
+    _assert_one_line(excinfo, "more than 1000 fields in the model")
+
+
+def test_fields_onnx_does_not_define_are_skipped_unread(tmp_path, rng):
+    model = _model(_weights(rng))
+    unknown = wire.varint(99 << 3 | 2) + wire.varint(3) + b"abc"
+    path = tmp_path / "unknown.onnx"
+    path.write_bytes(unknown + model.SerializeToString())
+    assert loading._parse_model(loading._open_model(path)) == model
 
 
 def test_refuses_to_replace_data_a_derived_tensor_reads(tmp_path, rng):

@@ -32,13 +32,14 @@ def hub_blobs(directory: Path) -> list[Path]:
     return []
 
 
-def model_file(directory: Path, name: str, what: str) -> Path:
+def model_file(directory: Path, name: str, what: str, missing: str = "") -> Path:
     """The regular file `name` (found inside a file, or a fixed name) of a model directory:
     confined to it after resolving symlinks (a Hugging Face cache snapshot may lead into its
-    blobs), a regular file (never a FIFO or device: one line, no wait)."""
+    blobs), a regular file (never a FIFO or device: one line, no wait). `missing`: the line
+    for a file that does not exist."""
     path = confined(name, directory, what, also_within=hub_blobs(directory))
     if not path.exists():
-        raise FlashNormError(f"{what} {name!r} does not exist in {directory}")
+        raise FlashNormError(missing or f"{what} {name!r} does not exist in {directory}")
     regular_identity(path, what)
     return path
 
@@ -95,9 +96,8 @@ def safetensors_shards(directory: Path) -> list[str] | None:
             if "/" in file or "\\" in file:
                 confined(file, directory, f"shard {file!r} of {index}")  # the specific refusal first
                 raise FlashNormError(f"{index} names shard {file!r}, not a file name in {directory}")
-            if not (directory / file).exists():
-                raise FlashNormError(f"{directory / file} is listed in the index but does not exist")
-            model_file(directory, file, f"shard named by {index}")
+            model_file(directory, file, f"shard named by {index}",
+                       missing=f"{directory / file} is listed in the index but does not exist")
         return files
     if os.path.lexists(directory / SAFETENSORS_SINGLE):
         model_file(directory, SAFETENSORS_SINGLE, "weights file")
