@@ -780,11 +780,17 @@ def test_a_model_of_countless_tiny_fields_is_refused(tmp_path, monkeypatch):
     """Legal protobuf (ir_version, again and again), but more fields than any model has: the
     walk stops at the limit instead of running for as long as the file lasts."""
     monkeypatch.setattr(wire, "MAX_MODEL_FIELDS", 1000)
+    monkeypatch.setattr(wire, "MAX_GRAPH_FIELDS", 1000)
     path = tmp_path / "fields.onnx"
     path.write_bytes(b"\x08\x01" * 1001)
     with pytest.raises(FlashNormError) as excinfo:
         modelio.load(path)
     _assert_one_line(excinfo, "more than 1000 fields in the model")
+    nodes = b"\x0a\x00" * 1001  # empty nodes
+    path.write_bytes(wire.MODEL_GRAPH_KEY + wire.varint(len(nodes)) + nodes)
+    with pytest.raises(FlashNormError) as excinfo:
+        modelio.read_interface(path)
+    _assert_one_line(excinfo, "more than 1000 fields in the graph")
 
 
 def test_fields_onnx_does_not_define_are_skipped_unread(tmp_path, rng):
