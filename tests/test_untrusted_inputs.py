@@ -420,3 +420,20 @@ def test_a_shard_replaced_while_folding_is_refused_and_nothing_written(tmp_path,
     line = capsys.readouterr().err.strip()
     assert "\n" not in line and f"{shard.name} changed while flashnorm was reading it" in line, line
     assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]
+
+
+@pytest.mark.parametrize("gguf, why", [("../evil.gguf", "not a file name"), ("..", "not a file name"),
+                                       ("m.gguf", "is a FIFO")])
+def test_the_tokenizer_a_model_names_is_checked_as_a_command_line_source(onnx_case, gguf, why):
+    """compare without --tokenizer reads the tokenizer the model's metadata names (export
+    records its source there): names from inside a file, checked before anything reads them."""
+    from flashnorm.errors import FlashNormError
+    from flashnorm.validate.inputs import tokenizer_for
+
+    os.mkfifo(onnx_case.parent / "m.gguf")
+    proto = onnx.load(str(onnx_case), load_external_data=False)
+    helper.set_model_props(proto, {"flashnorm.source_dir": str(onnx_case.parent), "flashnorm.gguf_file": gguf})
+    onnx_case.write_bytes(proto.SerializeToString())
+    with deadline(SECONDS), pytest.raises(FlashNormError) as excinfo:
+        tokenizer_for(onnx_case)
+    assert why in str(excinfo.value) and "\n" not in str(excinfo.value)
