@@ -3,7 +3,8 @@ its destination and renamed into place only once complete and on disk (fsync), s
 never leaves half a file behind and a crash never leaves a renamed file without its bytes.
 
 Models, their data files, JSON reports, engine plans, timing caches and Triton repositories
-all go through this module. It imports nothing outside the standard library.
+all go through this module; a model and its data file replace an earlier pair as one
+(`commit_with_data`). It imports nothing outside the standard library.
 """
 
 from __future__ import annotations
@@ -95,7 +96,7 @@ def commit_with_data(data: StagedFile, model: Path, model_bytes: Callable[[str],
     earlier = [path for path in old_data if _is_data_name(model, Path(path))] + [usual]
     for path in earlier:
         if os.path.lexists(path) and Path(os.path.realpath(path)) not in kept:
-            with contextlib.suppress(OSError):  # the new pair is in place; a stray old file is all that is left
+            with contextlib.suppress(OSError):  # the new pair is in place: a stray old file at worst
                 os.unlink(path)
     _sync_directory(folder)
     return target
@@ -105,7 +106,8 @@ def _is_data_name(model: Path, path: Path) -> bool:
     """Whether `path` has a name `commit_with_data` gives `model`'s data file, in its folder."""
     if Path(os.path.realpath(path.parent)) != Path(os.path.realpath(_directory(model))):
         return False
-    return path.name == f"{model.name}.data" or re.fullmatch(re.escape(model.name) + r"\.[a-z0-9_]{8}\.data", path.name) is not None
+    renamed = re.escape(model.name) + r"\.[a-z0-9_]{8}\.data"  # tempfile.mkstemp's 8 characters
+    return path.name == f"{model.name}.data" or re.fullmatch(renamed, path.name) is not None
 
 
 def _commit_bytes(path: Path, content: bytes) -> None:

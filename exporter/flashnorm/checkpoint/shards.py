@@ -155,8 +155,8 @@ class SafetensorsSource(TensorSource):
             for d in info.shape:
                 count *= d
             if end - begin != count * info.dtype.itemsize or not 0 <= begin <= end <= data_size:
-                raise FlashNormError(f"{shard.path} is not a safetensors file: {name}'s data_offsets [{begin}, {end}] do "
-                                     f"not fit its shape {list(info.shape)} and the file's {data_size} data bytes")
+                raise FlashNormError(f"{shard.path} is not a safetensors file: {name}'s data_offsets [{begin}, {end}] "
+                                     f"do not fit its shape {list(info.shape)} and the file's {data_size} data bytes")
             infos.append(info)
             self._where[name] = (file, data_start + begin)
         return infos

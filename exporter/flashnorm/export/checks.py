@@ -19,8 +19,8 @@ from flashnorm.untrusted import InputFile, confined, regular_identity
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 SAFETENSORS_SINGLE = "model.safetensors"
 MAX_JSON_BYTES = 64 << 20
-"""A config, index or tokenizer JSON larger than this is refused unread (Llama-3.1-405B's index:
-about 0.1 MB; a tokenizer.json with a 256k vocabulary: about 20 MB)."""
+"""A config or index JSON larger than this is refused unread (a config is a few kB; an index holds
+one short line per tensor)."""
 
 
 def hub_blobs(directory: Path) -> list[Path]:
@@ -68,7 +68,8 @@ def read_json(path: Path, what: str) -> Any:
     source = InputFile(path, what)
     try:
         if source.size > MAX_JSON_BYTES:
-            raise FlashNormError(f"{what} {path} is {source.size} bytes; a {what} over {MAX_JSON_BYTES} bytes is refused")
+            raise FlashNormError(f"{what} {path} is {source.size} bytes; "
+                                 f"a {what} over {MAX_JSON_BYTES} bytes is refused")
         return json.loads(source.read_at(0, source.size))
     except (ValueError, RecursionError) as exc:
         reason = "nested too deeply" if isinstance(exc, RecursionError) else str(exc).splitlines()[0]
@@ -174,7 +175,8 @@ def check_gguf(path: Path) -> None:
             header.wide = version >= 2
             tensors, values = header.count(), header.count()
             if values * 13 + tensors * 24 > source.size:  # the least a key-value pair and a tensor description take
-                raise header.refuse(f"{tensors} tensors and {values} key-value pairs cannot fit in {source.size} bytes")
+                raise header.refuse(f"{tensors} tensors and {values} key-value pairs cannot fit "
+                                    f"in {source.size} bytes")
             for _ in range(values):
                 header.skip_string()
                 header.skip_value(header.number("<I"))

@@ -327,7 +327,8 @@ def save_model(model: onnx.ModelProto, output: str | os.PathLike[str]) -> None:
         onnx.save_model(model, str(Path(scratch) / destination.name), save_as_external_data=True,
                         all_tensors_to_one_file=True, location=data_name, size_threshold=INLINE_TENSOR_BYTES)
         written = onnx.load(str(Path(scratch) / destination.name), load_external_data=False)
-        commit_model_with_data(written, StagedFile(destination.parent / data_name, Path(scratch) / data_name), destination)
+        data = StagedFile(destination.parent / data_name, Path(scratch) / data_name)
+        commit_model_with_data(written, data, destination)
 
 
 def _tied_embeddings(model: Any) -> bool:

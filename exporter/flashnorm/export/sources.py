@@ -61,7 +61,10 @@ KNOWN_MODELS: dict[str, Callable[[], ModelSource]] = {
 def resolve_source(path: str | os.PathLike[str] | None = None, model: str | None = None) -> ModelSource:
     """Turn a path (HF directory or .gguf file) or a registered model name into a ModelSource.
 
-    Raises FlashNormError with one line when the path does not exist or is not a model.
+    Raises FlashNormError with one line when the path does not exist or is not a model, and
+    when one of its files is one flashnorm does not read (`flashnorm.export.checks`: a FIFO or
+    device, a symlink out of the folder, a shard name that leaves it, a header that does not fit
+    its file).
     """
     if (path is None) == (model is None):
         raise FlashNormError("give either a model path or --model NAME (not both)")
@@ -69,7 +72,10 @@ def resolve_source(path: str | os.PathLike[str] | None = None, model: str | None
         key = model.lower()
         if key not in KNOWN_MODELS:
             raise FlashNormError(f"unknown model {model!r}; known: {', '.join(sorted(KNOWN_MODELS))}")
-        return KNOWN_MODELS[key]()
+        known = KNOWN_MODELS[key]()
+        if known.gguf_file:
+            check_gguf(known.directory / known.gguf_file)  # a package's file is read like any other
+        return known
     location = Path(path)
     if not location.exists():
         raise FlashNormError(f"model {location} does not exist (give a Hugging Face directory or a .gguf file)")

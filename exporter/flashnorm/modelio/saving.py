@@ -18,8 +18,8 @@ import numpy as np
 import onnx
 import onnx.numpy_helper
 import onnx_graphsurgeon as gs
-from onnx_graphsurgeon.exporters.onnx_exporter import constant_to_onnx_tensor, dtype_to_onnx
 from onnx.external_data_helper import _get_all_tensors, uses_external_data
+from onnx_graphsurgeon.exporters.onnx_exporter import constant_to_onnx_tensor, dtype_to_onnx
 from onnx_graphsurgeon.ir.tensor import LazyValues, SparseValues
 
 from flashnorm.errors import FlashNormError
