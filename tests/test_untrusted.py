@@ -4,6 +4,7 @@ without blocking and refused unless regular, and their identity checked again be
 from __future__ import annotations
 
 import os
+import socket
 import stat
 import time
 
@@ -67,6 +68,14 @@ def test_a_fifo_is_refused_at_once_never_waited_on(tmp_path):
     with pytest.raises(FlashNormError, match="is a FIFO"):
         regular_identity(fifo, "model")
     assert time.monotonic() - started < 1
+
+
+def test_a_socket_is_refused_saying_what_it_is(tmp_path):
+    with socket.socket(socket.AF_UNIX) as listening:
+        listening.bind(str(tmp_path / "model.onnx"))
+        with pytest.raises(FlashNormError) as excinfo:
+            InputFile(tmp_path / "model.onnx", "model")
+    _one_line(excinfo, "is a socket, not a regular file")
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="making a device node needs root (os.mknod of a character device)")

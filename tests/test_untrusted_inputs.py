@@ -219,7 +219,7 @@ EVERY_COMMAND = ["inspect", "optimize", "build", "compare", "triton", "demo"]
 # The cases through every ONNX-reading command; the others through the three that
 # read a model's weights in three different ways (our lazy reader, our copy, TensorRT's parser).
 ONNX_RUNS = [(case, command) for case in ONNX_CASES
-             for command in (EVERY_COMMAND if case in ("nul-location", "fifo-data", "symlink-out") else
+             for command in (EVERY_COMMAND if case in ("nul-location", "fifo-data", "symlink-out", "fifo-model") else
                              ["inspect", "optimize", "build"])]
 
 

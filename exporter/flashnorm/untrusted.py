@@ -19,6 +19,7 @@ Standard library only; every refusal is a one-line `FlashNormError`.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import stat
@@ -99,6 +100,10 @@ class InputFile:
         except ValueError:
             raise _refuse(what, repr(os.fspath(path)), "is not a usable file name (it holds a NUL byte)") from None
         except OSError as exc:
+            with contextlib.suppress(OSError):  # a socket cannot be opened at all: say what it is
+                mode = os.stat(self.path).st_mode
+                if not stat.S_ISREG(mode):
+                    raise _refuse(what, path, f"is {kind(mode)}, not a regular file") from None
             raise _refuse(what, path, f"cannot be read: {exc.strerror}") from None
         self.fd = fd
         self._closer = weakref.finalize(self, os.close, fd)
