@@ -247,7 +247,7 @@ def check_strategies(site: Site, m: int, op: Callable, device: torch.device, dty
     gain = (0.5 + torch.rand(site.k, device=device)) * torch.where(torch.rand(site.k, device=device) < 0.25, -1, 1)
     w = torch.randn(site.k, site.n, device=device) / math.sqrt(site.k)
     if site.norm == "layer":
-        x = (x.float() + 3.0 * torch.randn(m, 1, device=device)).to(dtype)  # rows with a mean, as LayerNorm meets
+        x = (x.float() + torch.randn(m, 1, device=device)).to(dtype)  # rows with a mean, as LayerNorm meets
         shift = 0.1 * torch.randn(site.k, device=device)
         projection_bias = 0.1 * torch.randn(site.n, device=device)
         centred, bias = fold_layer_norm(gain, shift, w, projection_bias)
