@@ -131,12 +131,15 @@ flashnorm_status make_plan(flashnorm_context* context, GemmKey const& key, void 
         cublasLtMatmulPreferenceSetAttribute(plan.preference, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES,
             &product_alignment, sizeof(product_alignment)));
     // Host-only query (no stream work), so a first call of a new shape inside a capture is fine.
+    // cuBLASLt answers a combination it has no kernel for (a bias type beside these outputs, say)
+    // with NOT_SUPPORTED or with no result: both are UNSUPPORTED here, which prenorm's bias falls back on.
     cublasLtMatmulHeuristicResult_t result{};
     int found = 0;
-    FLASHNORM_CHECK(context,
-        cublasLtMatmulAlgoGetHeuristic(context->cublas, plan.operation, plan.w_layout, plan.x_layout,
-            plan.product_layout, plan.product_layout, plan.preference, 1, &result, &found));
-    if (found == 0)
+    cublasStatus_t const asked = cublasLtMatmulAlgoGetHeuristic(context->cublas, plan.operation, plan.w_layout,
+        plan.x_layout, plan.product_layout, plan.product_layout, plan.preference, 1, &result, &found);
+    if (asked != CUBLAS_STATUS_SUCCESS && asked != CUBLAS_STATUS_NOT_SUPPORTED)
+        FLASHNORM_CHECK(context, asked);
+    if (asked == CUBLAS_STATUS_NOT_SUPPORTED || found == 0)
     {
         return record_error(context, FLASHNORM_STATUS_UNSUPPORTED, "cublasLtMatmulAlgoGetHeuristic",
             "no cuBLASLt algorithm for this shape and alignment", __FILE__);
