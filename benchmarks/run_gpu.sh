@@ -12,6 +12,11 @@
 # Usage on the device: bash benchmarks/run_gpu.sh [--skip-bench] [--together] [--bench-args "..."]
 #   --together runs steps 2 and 3 at the same time (shorter lease; step 2's timings then
 #   include the mutant's share of the GPU).
+#        bash benchmarks/run_gpu.sh --layernorm
+#   --layernorm: issue 48's tables instead: the normal build only, then the kernel benchmark's
+#   LayerNorm sites (--norm layer) and the ViT-B/16 encoder forward (benchmarks/encoder_step.py);
+#   under $OUT summary.txt build.log bench.log kernels.md kernels.json encoder.log encoder_step.md
+#   encoder_step.json.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/out}
@@ -23,11 +28,13 @@ say() { echo "$*" | tee -a "$SUMMARY"; }
 
 run_bench=1
 together=0
+layernorm=0
 bench_args=()
 while [ $# -gt 0 ]; do
   case "$1" in
     --skip-bench) run_bench=0 ;;
     --together) together=1 ;;
+    --layernorm) layernorm=1 ;;
     --bench-args) read -r -a bench_args <<<"$2"; shift ;;
     *) echo "unknown argument $1" >&2; exit 2 ;;
   esac
@@ -49,17 +56,35 @@ configure() { cmake -S . -B "$1" -G Ninja -DFLASHNORM_BUILD_TESTS=OFF -DFLASHNOR
   -DPython3_EXECUTABLE="$(command -v python3)" "${@:2}"; }
 (configure build && cmake --build build --target flashnorm) >"$OUT/build.log" 2>&1 &
 normal_pid=$!
-(configure build-mutant -DFLASHNORM_TESTING_DROP_JOIN=ON && cmake --build build-mutant --target flashnorm) \
-  >"$OUT/build-mutant.tmp" 2>&1 &
-mutant_pid=$!
+mutant_rc=0
+if [ "$layernorm" -eq 0 ]; then
+  (configure build-mutant -DFLASHNORM_TESTING_DROP_JOIN=ON && cmake --build build-mutant --target flashnorm) \
+    >"$OUT/build-mutant.tmp" 2>&1 &
+  mutant_pid=$!
+fi
 wait "$normal_pid"; normal_rc=$?
-wait "$mutant_pid"; mutant_rc=$?
+[ "$layernorm" -eq 0 ] && { wait "$mutant_pid"; mutant_rc=$?; }
+touch "$OUT/build-mutant.tmp"
 { echo "===== mutant build (-DFLASHNORM_TESTING_DROP_JOIN=ON) ====="; cat "$OUT/build-mutant.tmp"; } >>"$OUT/build.log"
 rm -f "$OUT/build-mutant.tmp"
 say "build: normal rc=$normal_rc, mutant rc=$mutant_rc ($((SECONDS - started)) s)"
 if [ "$normal_rc" -ne 0 ]; then
   tail -n 40 "$OUT/build.log"
   exit 1
+fi
+
+if [ "$layernorm" -eq 1 ]; then  # issue 48: the LayerNorm kernel tables and the encoder forward
+  started=$SECONDS
+  FLASHNORM_LIBRARY="$PWD/build/plugins/flashnorm/libflashnorm.so" timeout "${BENCH_TIMEOUT:-200}" \
+    python3 benchmarks/kernel_benchmark.py --out "$OUT" --norm layer >"$OUT/bench.log" 2>&1
+  say "kernel benchmark, LayerNorm sites: rc=$? ($((SECONDS - started)) s)"
+  started=$SECONDS
+  FLASHNORM_LIBRARY="$PWD/build/plugins/flashnorm/libflashnorm.so" timeout "${ENCODER_TIMEOUT:-240}" \
+    python3 benchmarks/encoder_step.py --out "$OUT" >"$OUT/encoder.log" 2>&1
+  say "encoder forward: rc=$? ($((SECONDS - started)) s)"
+  [ -f "$OUT/kernels.md" ] && grep -E "^- " "$OUT/kernels.md" | tee -a "$SUMMARY"
+  [ -f "$OUT/encoder_step.md" ] && tail -n 16 "$OUT/encoder_step.md" | tee -a "$SUMMARY"
+  exit 0
 fi
 
 pytest_run() {  # pytest_run LIBRARY LOG TIMEOUT [pytest args...]

@@ -65,7 +65,8 @@ cat "$LOGS/row_scale_probe.log" | tee -a "$summary"
 selftest=build/plugins/flashnorm/tests/flashnorm_selftest
 step selftest "$selftest"; tail -2 "$LOGS/selftest.log" | tee -a "$summary"
 step pytest_normal python3 -m pytest -q -p no:cacheprovider tests/kernels/test_correctness.py \
-    tests/kernels/test_race.py tests/kernels/test_cuda_graph.py tests/kernels/test_torch_op.py tests/kernels/test_epilogue_scale.py
+    tests/kernels/test_race.py tests/kernels/test_cuda_graph.py tests/kernels/test_torch_op.py tests/kernels/test_epilogue_scale.py \
+    tests/kernels/test_layer_norm.py tests/kernels/test_add_matmul.py
 tail -3 "$LOGS/pytest_normal.log" | tee -a "$summary"
 wait "$mutant_build"
 
