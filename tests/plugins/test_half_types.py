@@ -47,7 +47,7 @@ def test_deferred_half_nodes_carry_a_declared_type(dtype, consumer, rng):
     assert nodes
     allowed = declared_types()
     for node in nodes:
-        x, weight = node.inputs
+        x, weight, bias = node.inputs
         assert stored_dtype_name(x) == dtype and stored_dtype_name(x) in allowed
-        assert stored_dtype_name(weight) == dtype
+        assert stored_dtype_name(weight) == dtype and stored_dtype_name(bias) == contract.BIAS_DTYPE
         assert all(stored_dtype_name(o) == dtype for o in node.outputs), [stored_dtype_name(o) for o in node.outputs]

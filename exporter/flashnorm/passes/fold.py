@@ -217,15 +217,16 @@ def _refuse_post_norm(consumers: list[gs.Node]) -> None:
 _LAYER_QUANTIZED = "a LayerNorm's bias and centring are not folded into a quantized weight (not exact)"
 
 
-def _quantized(site: NormSite, reason: str) -> NotFoldable:
-    """The refusal for a quantized consumer; a LayerNorm's says why no requantization helps."""
-    return NotFoldable(f"{reason}; {_LAYER_QUANTIZED}" if site.kind == "layer" else reason)
+def _quantized(site: NormSite, what: str, reason: str) -> NotFoldable:
+    """The refusal for a quantized consumer (`what` it is): an RMSNorm's `reason`; a LayerNorm's
+    says why no requantization helps."""
+    return NotFoldable(f"{what}: {_LAYER_QUANTIZED}" if site.kind == "layer" else reason)
 
 
 def _weight_edit(site: NormSite, node: gs.Node, graph_outputs: frozenset[str]) -> WeightEdit | QuantEdit:
     where = f"consumer {node.op} {node.name!r}"
     if site.kind == "layer" and node.op == "QuantizeLinear":
-        raise _quantized(site, f"{where} quantizes the normalized activation")
+        raise NotFoldable(f"{where} quantizes the normalized activation: {_LAYER_QUANTIZED}")
     try:  # a LayerNorm asks no quantized planner: the refusals below name its quantized consumers
         quantized = None if site.kind == "layer" else plan_quantized(node, site.output, site.gain, where)
     except NotQuantFoldable as exc:
@@ -233,18 +234,20 @@ def _weight_edit(site: NormSite, node: gs.Node, graph_outputs: frozenset[str]) -
     if quantized is not None:
         return quantized
     if node.op in _QUANTIZED_OPS:
-        raise _quantized(site, f"{where} has a quantized weight (fold needs dequantize → fold → requantize)")
+        raise _quantized(site, f"{where} has a quantized weight",
+                         f"{where} has a quantized weight (fold needs dequantize → fold → requantize)")
     use = linear_use(node, site.output, where, NotFoldable, graph_outputs)
     if use is None:
         raise NotFoldable(f"{where} is not a linear op with a constant weight")
     weight, transpose, transposed = use.stored_weight(where, NotFoldable)
     source = producer(weight)
     if source is not None and source.op in _DEQUANTIZE_OPS:
-        raise _quantized(site, f"{where} has a quantized weight ({source.op}); fold needs dequantize → fold → requantize")
+        raise _quantized(site, f"{where} has a quantized weight ({source.op})",
+                         f"{where} has a quantized weight ({source.op}); fold needs dequantize → fold → requantize")
     stored = stored_initializer(weight, through=_WEIGHT_STORAGE_OPS)
     if stored is not None and stored_dtype_name(stored) not in _FOLDABLE_DTYPES:
-        raise _quantized(site, f"{where}: weight {stored.name!r} is stored as {stored_dtype_name(stored)} "
-                               "(quantized or integer); never folded")
+        what = f"{where}: weight {stored.name!r} is stored as {stored_dtype_name(stored)}"
+        raise _quantized(site, what, f"{what} (quantized or integer); never folded")
     constant = holding_constant(weight)
     if constant is None:
         raise NotFoldable(f"{where}: weight {weight.name!r} is not a constant")
