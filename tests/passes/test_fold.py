@@ -539,3 +539,30 @@ def test_optimize_holds_at_most_one_weight(rng, tmp_path):
     assert folded == "2"
     assert float(growth_mb) < 1.5 * tensor_mb, \
         f"peak grew by {float(growth_mb):.1f} MB (one tensor is {tensor_mb:.0f} MB)"
+
+
+def test_layernorm_in_front_of_a_tied_head_is_untied_not_mutated(rng, optimize):
+    """GPT-2's final LayerNorm feeds the LM head tied to the embedding: kept by default; with
+    --untie the head gets its own folded, centred copy and a bias b·W, the embedding its table."""
+    from synthetic import relative_error, run
+
+    vocab, hidden = 40, 16
+    b = GraphBuilder(17)
+    table = rng.standard_normal((vocab, hidden)).astype(np.float32)
+    embedding = b.const(table, "wte")
+    h = b.op("Gather", [embedding, "ids"], axis=0)
+    y = ln_rsqrt_axes_input(b, h, random_gain(rng, hidden), 1e-5, bias=random_bias(rng, hidden))
+    logits = b.op("MatMul", [y, b.op("Transpose", [embedding], perm=[1, 0])])
+    b.opset = 18
+    model = b.model([helper.make_tensor_value_info("ids", TensorProto.INT64, ["batch", "seq"])], [logits, h])
+    inputs = {"ids": rng.integers(0, vocab, (2, 5)).astype(np.int64)}
+    kept, reports = optimize(model, ["fold"])
+    assert "shared" in reports["fold"].decisions[0].reason and "--untie" in reports["fold"].decisions[0].reason
+    untied, reports = optimize(model, ["fold", "defer"], untie=True)
+    assert reports["fold"].count("folded") == 1 and reports["defer"].count("deferred") == 1
+    (gather,) = [n for n in untied.graph.node if n.op_type == "Gather"]
+    np.testing.assert_array_equal(next(numpy_helper.to_array(t) for t in untied.graph.initializer
+                                       if t.name == gather.input[0]), table)
+    expected, actual = run(model, inputs), run(untied, inputs)
+    assert relative_error(actual[0], expected[0]) < 1e-5
+    np.testing.assert_array_equal(actual[1], expected[1])
