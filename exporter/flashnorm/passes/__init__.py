@@ -108,7 +108,7 @@ def optimize_file(
 ) -> dict[str, Any]:
     """Load `in_path`, run `passes`, save to `out_path` (atomically; the input is never
     written). Raises FlashNormError for bad input: unknown pass, unreadable or invalid
-    model, no RMSNorm found, unwritable output."""
+    model, no norm found, unwritable output."""
     from flashnorm import modelio
     from flashnorm.match import find_norm_candidates
 
@@ -122,7 +122,7 @@ def optimize_file(
     found = find_norm_candidates(graph)
     if not found.sites:
         why = f" ({len(found.rejected)} near-misses: {found.rejected[0].reason})" if found.rejected else ""
-        raise FlashNormError(f"no RMSNorm found in {source}{why}")
+        raise FlashNormError(f"no RMSNorm or LayerNorm found in {source}{why}")
     graph, reports = run_passes(graph, names, untie=untie, quant_limit=quant_limit, for_quantization=for_quantization)
     modelio.save(graph, destination, external_data=external_data)
     summary: dict[str, int] = {}

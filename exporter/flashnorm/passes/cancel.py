@@ -15,6 +15,8 @@ reduce over an axis that holds one token's channels, never across tokens. Ops ac
 MatMul/Gemm/MatMulNBits with a constant weight and no bias; Reshape that keeps the token axes;
 Transpose; Slice; Split; Expand; Squeeze/Unsqueeze; float Cast; Identity; Neg; Mul/Div by a constant;
 RotaryEmbedding (a rotation per token whose angles do not depend on the site).
+
+LayerNorm sites are never cancelled, nor does a path end at one: see `LAYER_NORM_REASON`.
 """
 
 from __future__ import annotations
@@ -45,6 +47,10 @@ class NotCancellable(Exception):
     """Why a site's division must stay (one line)."""
 
 
+LAYER_NORM_REASON = ("a LayerNorm: cancel (Proposition 3) removes an RMSNorm's division; a LayerNorm's bias is not "
+                     "divided by σ, so without the division its output is no per-token multiple of the normalized one")
+
+
 @dataclasses.dataclass
 class CancelPlan:
     site: NormSite
@@ -66,6 +72,8 @@ def error_bound_text(eps: float, downstream_eps: list[float]) -> str:
 
 def plan_cancel(site: NormSite, all_sites: list[NormSite], graph_outputs: frozenset[str]) -> CancelPlan:
     """The downstream norms that make `site`'s division redundant, or NotCancellable."""
+    if site.kind == "layer":
+        raise NotCancellable(LAYER_NORM_REASON)
     if site.output.name in graph_outputs:
         raise NotCancellable("the normalized tensor is a graph output")
     if not site.consumers:
@@ -113,6 +121,9 @@ class _Walker:
     def _arrive(self, other: NormSite, tensor: gs.Tensor, layout: Layout) -> None:
         if other.spelling == _SKIP:
             raise NotCancellable(f"path reaches {_SKIP} {other.name!r}, which adds a residual first")
+        if other.kind == "layer":
+            raise NotCancellable(f"path reaches LayerNorm {other.name!r}: Proposition 3 and its eps bound are proved "
+                                 "for a downstream RMSNorm")
         if tensor is not other.input:
             raise NotCancellable(f"path enters norm {other.name!r} other than through its normalized input")
         if layout is not None and layout[-1] == TOKEN:
