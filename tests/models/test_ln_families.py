@@ -9,7 +9,8 @@ torch writes below 17) and opset 17 (LayerNormalization), then fold and defer:
 - post-LN BERT: every site refused, with the reason;
 - TensorRT-RTX builds every deferred file (slow).
 
-One export per family and opset per module; the dynamo exporter's (opset 18) in a slow test.
+One export per family and opset per module; the dynamo exporter's (opset 18) in a slow test of
+four families.
 """
 
 from __future__ import annotations
@@ -50,7 +51,8 @@ def folders(tmp_path_factory) -> dict[str, Path]:
 
 @pytest.fixture(scope="module")
 def exports(folders, tmp_path_factory) -> dict[tuple[str, int], Path]:
-    """Every family at every opset, exported once for the module."""
+    """Every family at every opset, exported once for the module (their optimized graphs are
+    kept until the module ends)."""
     Progress.enabled = False
     root = tmp_path_factory.mktemp("ln_exports")
     paths = {}
@@ -59,7 +61,8 @@ def exports(folders, tmp_path_factory) -> dict[tuple[str, int], Path]:
             paths[family.name, opset] = root / f"{family.name}.opset{opset}.onnx"
             export_folder(family, folders[family.name], paths[family.name, opset], opset=opset)
     Progress.enabled = True
-    return paths
+    yield paths
+    _OPTIMIZED.clear()
 
 
 def _run(model: Any, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -117,13 +120,19 @@ def test_export_is_the_torch_model(family: Family, opset: int, exports, folders)
     assert all(value.shape[0] == 3 for value in _run(model, batch).values())
 
 
+_OPTIMIZED: dict[Path, tuple[onnx.ModelProto, dict[str, dict]]] = {}
+
+
 def _optimized(path: Path) -> tuple[onnx.ModelProto, dict[str, dict]]:
+    """fold, defer on the export at `path` (once per module: the engine builds reuse it)."""
     import onnx_graphsurgeon as gs
 
     from flashnorm.passes import run_passes
 
-    graph, reports = run_passes(gs.import_onnx(onnx.load(str(path))), ["fold", "defer"])
-    return gs.export_onnx(graph), {report.name: report.to_dict() for report in reports}
+    if path not in _OPTIMIZED:
+        graph, reports = run_passes(gs.import_onnx(onnx.load(str(path))), ["fold", "defer"])
+        _OPTIMIZED[path] = gs.export_onnx(graph), {report.name: report.to_dict() for report in reports}
+    return _OPTIMIZED[path]
 
 
 def _actions(report: dict, action: str) -> list[dict]:
@@ -203,8 +212,13 @@ def test_tensorrt_rtx_builds_every_deferred_file(family: Family, opset: int, exp
     assert build["flashnorm_nodes"] == family.folded and build["flashnorm_plugin_layers"] == 0
 
 
+# One family per input signature and BLOOM (no position ids): the dynamo exporter costs ~4 s a
+# model here (all 11 families export and match, run by hand on 2026-12-07).
+DYNAMO = [FAMILY[name] for name in ("bloom", "vit", "clip_text", "whisper")]
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("family", FAMILIES, ids=[f.name for f in FAMILIES])
+@pytest.mark.parametrize("family", DYNAMO, ids=[f.name for f in DYNAMO])
 def test_dynamo_export_is_the_torch_model(family: Family, folders, tmp_path):
     pytest.importorskip("onnxscript")
     path = tmp_path / "dynamo.onnx"
