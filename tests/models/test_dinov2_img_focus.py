@@ -106,7 +106,7 @@ def test_folder_is_the_packaged_backbone(folder, images):
     assert _relative_l2(hidden, packaged) < 1e-5
     gains = [m.weight.detach() for m in model.modules() if isinstance(m, torch.nn.LayerNorm)]
     assert len(gains) == LAYER_NORMS
-    assert float(torch.cat(gains).std()) > 0.1  # trained gains, far from the ones of an initialization
+    assert float(torch.cat(gains).std()) > 0.5  # trained gains (std 0.70), far from the ones of an initialization
 
 
 def test_fold_and_defer_keep_the_embeddings_on_structured_images(exported, images):
