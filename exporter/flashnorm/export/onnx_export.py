@@ -176,7 +176,7 @@ def export_module(
     opset = opset or DEFAULT_OPSET[dynamo]
     with tempfile.TemporaryDirectory(prefix=".flashnorm-export-", dir=Path(output).parent) as scratch:
         path = Path(scratch) / Path(output).name
-        with _quiet_exporter(), torch.no_grad(), _exporter_errors(dynamo):
+        with _quiet_exporter(), torch.no_grad(), _exporter_errors(dynamo), _conv1d_as_matmul(module):
             if dynamo:
                 program = torch.onnx.export(
                     module, spec.example_inputs, dynamo=True, opset_version=opset,
@@ -191,6 +191,28 @@ def export_module(
                     dynamic_axes=spec.dynamic_axes, do_constant_folding=constant_folding,
                 )
         return onnx.load(str(path), load_external_data=True)
+
+
+@contextlib.contextmanager
+def _conv1d_as_matmul(module: Any) -> Iterator[None]:
+    """Trace GPT-2-style Conv1D layers (weight [in, out], `addmm` on the input flattened to 2-D)
+    as `MatMul(x, W) + b` on the input as it is: the same arithmetic, without the Reshape pair
+    that would stand between a norm and its projection in the graph and hide the projection
+    from the fold."""
+    import torch
+
+    patched = [m for m in module.modules() if type(m).__name__ == "Conv1D" and getattr(m, "weight", None) is not None]
+
+    def forward(self: Any, x: Any) -> Any:
+        return torch.matmul(x, self.weight) + self.bias
+
+    for conv in patched:
+        conv.forward = forward.__get__(conv)
+    try:
+        yield
+    finally:
+        for conv in patched:
+            del conv.forward
 
 
 @contextlib.contextmanager
@@ -255,14 +277,25 @@ def _rename_values(model: onnx.ModelProto, renames: Mapping[str, str]) -> None:
                 node.input[i] = renames[name]
 
 
+# Ops that carry token ids unchanged on their way to the embedding Gather (GPT-2's and OPT's
+# legacy exports flatten input_ids with a Reshape first).
+_ID_PASSTHROUGH = frozenset({"Reshape", "Cast", "Unsqueeze", "Squeeze", "Flatten", "Identity"})
+
+
 def _embedding_table(graph: onnx.GraphProto) -> str | None:
-    """The initializer that `input_ids` index (the token embedding), if there is one."""
+    """The initializer that `input_ids` index (the token embedding), if there is one: the
+    data of a Gather whose indices are input_ids, directly or through ops that pass ids on."""
     initializers = {t.name for t in graph.initializer}
-    return next(
-        (n.input[0] for n in graph.node
-         if n.op_type == "Gather" and len(n.input) == 2 and n.input[1] == "input_ids" and n.input[0] in initializers),
-        None,
-    )
+    ids, frontier = {"input_ids"}, ["input_ids"]
+    while frontier:
+        name = frontier.pop()
+        for n in graph.node:
+            if n.op_type == "Gather" and len(n.input) == 2 and n.input[1] == name and n.input[0] in initializers:
+                return n.input[0]
+            if n.op_type in _ID_PASSTHROUGH and n.input and n.input[0] == name:
+                frontier += [out for out in n.output if out not in ids]
+                ids.update(n.output)
+    return None
 
 
 def retie_lm_head(model: onnx.ModelProto) -> str | None:
