@@ -86,3 +86,54 @@ def test_cli_exports_a_vit_folder(tmp_path, capsys):
     assert [o.name for o in model.graph.output] == ["last_hidden_state", "pooler_output"]
     assert model.graph.input[0].type.tensor_type.shape.dim[0].dim_param == "batch"
     assert {p.key: p.value for p in model.metadata_props}["flashnorm.pooled_output"] == "pooler_output"
+
+
+def test_two_tower_clip_folder_exports_each_tower(tmp_path, capsys):
+    """A CLIPModel folder: --tower vision and --tower text each load their tower with the
+    folder's projection size and match CLIPModel's image and text features."""
+    import numpy as np
+    import onnxruntime
+    import torch
+    import transformers
+
+    torch.manual_seed(0)
+    text = dict(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+                max_position_embeddings=16, bos_token_id=0, pad_token_id=1, eos_token_id=2)
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4, image_size=16,
+                  patch_size=4)
+    model = transformers.CLIPModel(transformers.CLIPConfig(text_config=text, vision_config=vision, projection_dim=16))
+    model.eval().save_pretrained(tmp_path / "clip")
+    capsys.readouterr()  # save_pretrained's progress bar
+    pixels = np.random.default_rng(0).standard_normal((2, 3, 16, 16)).astype(np.float32)
+    ids, mask = np.array([[0, 5, 6, 7, 2], [0, 8, 9, 2, 1]]), np.array([[1, 1, 1, 1, 1], [1, 1, 1, 1, 0]])
+    with torch.no_grad():
+        want = {"vision": model.get_image_features(pixel_values=torch.from_numpy(pixels)),
+                "text": model.get_text_features(input_ids=torch.from_numpy(ids), attention_mask=torch.from_numpy(mask))}
+    feeds = {"vision": {"pixel_values": pixels}, "text": {"input_ids": ids, "attention_mask": mask}}
+    for tower, pooled in (("vision", "image_embeds"), ("text", "text_embeds")):
+        output = tmp_path / f"{tower}.onnx"
+        assert cli.main(["export", str(tmp_path / "clip"), "-o", str(output), "--tower", tower, "-q"]) == 0
+        got = onnxruntime.InferenceSession(str(output)).run([pooled], feeds[tower])[0]
+        expected = want[tower] if isinstance(want[tower], torch.Tensor) else want[tower].pooler_output
+        np.testing.assert_allclose(got, expected.numpy(), rtol=1e-4, atol=1e-5)
+    assert capsys.readouterr().err == ""  # the other tower's weights are not reported as unexpected
+
+
+def test_cli_folds_an_encoder_before_the_half_rounding(tmp_path, capsys):
+    import numpy as np
+    import torch
+    import transformers
+
+    from models.ln_families import randomize
+
+    torch.manual_seed(0)
+    model = transformers.ViTModel(transformers.ViTConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                                         intermediate_size=64, image_size=16, patch_size=4))
+    randomize(model, np.random.default_rng(0))  # gains and biases away from the identity
+    model.save_pretrained(tmp_path / "vit")
+    code = cli.main(["export", str(tmp_path / "vit"), "-o", str(tmp_path / "vit.fp16.onnx"), "--dtype", "fp16",
+                     "--fold", "-v"])
+    text = capsys.readouterr().out
+    assert code == 0, text
+    assert "folded 4 norms before rounding to float16, 1 left alone" in text
+    assert "left alone: layernorm: its output is also a model output" in text

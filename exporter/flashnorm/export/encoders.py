@@ -88,14 +88,38 @@ def load_encoder(directory: Path, encoder: Encoder, dtype: str = "float32"):
 
     cls = getattr(transformers, encoder.model_class)
     kwargs: dict[str, Any] = {"dtype": getattr(torch, dtype), "local_files_only": True}
+    from transformers.utils import logging as transformers_logging
+
+    verbosity = transformers_logging.get_verbosity()
     try:
+        if encoder.model_class.startswith("CLIP"):
+            kwargs["config"] = _clip_tower_config(directory, encoder)
+            # A two-tower folder holds the other tower's weights too: transformers' report of
+            # them as unexpected keys says nothing the user needs.
+            transformers_logging.set_verbosity_error()
         model, info = cls.from_pretrained(str(directory), output_loading_info=True, **kwargs)
         if encoder.model_class in ("ViTModel", "BertModel") and any(k.startswith("pooler.") for k in info["missing_keys"]):
             model = cls.from_pretrained(str(directory), add_pooling_layer=False, **kwargs)
     except (OSError, ValueError, KeyError, RuntimeError) as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise FlashNormError(f"cannot load {directory} as a {encoder.family} model: {first}") from None
+    finally:
+        transformers_logging.set_verbosity(verbosity)
     return model.eval()
+
+
+def _clip_tower_config(directory: Path, encoder: Encoder):
+    """A CLIP tower's config. From a two-tower folder: the tower's own config with the folder's
+    `projection_dim` (kept at the top level, so the tower alone would get a default-sized
+    projection and refuse the checkpoint's weights)."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(str(directory), local_files_only=True)
+    if config.model_type != "clip":
+        return config
+    tower = config.vision_config if encoder.kind == VISION else config.text_config
+    tower.projection_dim = config.projection_dim
+    return tower
 
 
 def encoder_module(model: Any, encoder: Encoder):
