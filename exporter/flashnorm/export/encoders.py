@@ -81,15 +81,15 @@ def supported_families() -> str:
 
 
 def load_encoder(directory: Path, encoder: Encoder, dtype: str = "float32"):
-    """The folder's encoder in eval mode on CPU; ViT without its pooler when the checkpoint
-    has no pooler weights (a classification checkpoint), so that no random weights are used."""
+    """The folder's encoder in eval mode on CPU; ViT and BERT without their pooler when the
+    checkpoint has no pooler weights (a classification checkpoint), so that no random weights
+    are used."""
     import torch
     import transformers
+    from transformers.utils import logging as transformers_logging
 
     cls = getattr(transformers, encoder.model_class)
     kwargs: dict[str, Any] = {"dtype": getattr(torch, dtype), "local_files_only": True}
-    from transformers.utils import logging as transformers_logging
-
     verbosity = transformers_logging.get_verbosity()
     try:
         if encoder.model_class.startswith("CLIP"):
