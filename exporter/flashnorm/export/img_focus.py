@@ -20,6 +20,7 @@ import importlib.util
 import json
 import re
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -52,11 +53,12 @@ def onnx_path() -> Path:
     return path
 
 
-def with_outputs(path: Path, names: list[str]):
-    """The package's ONNX model with `names` (inner tensors) added as graph outputs."""
+def with_outputs(path: Path | Any, names: list[str]):
+    """The package's ONNX model (a path, or the model already loaded, then changed in place)
+    with `names` (inner tensors) added as graph outputs."""
     import onnx
 
-    model = onnx.load(str(path))
+    model = onnx.load(str(path)) if isinstance(path, (str, Path)) else path
     for name in names:
         model.graph.output.append(onnx.helper.make_tensor_value_info(name, onnx.TensorProto.FLOAT, None))
     return model
@@ -75,7 +77,7 @@ def backbone_state(path: Path) -> tuple[dict[str, np.ndarray], dict[str, int | f
         match = _PROJECTION.match(node.name) if node.op_type == "MatMul" else None
         if match:
             state[match.group(1).replace("/", ".") + ".weight"] = np.ascontiguousarray(stored[node.input[1]].T)
-    positions = with_outputs(path, [POSITIONS])
+    positions = with_outputs(model, [POSITIONS])  # the graph is read once
     session = onnxruntime.InferenceSession(positions.SerializeToString(), providers=["CPUExecutionProvider"])
     zero = np.zeros((1, 3, IMAGE_SIZE, IMAGE_SIZE), dtype=np.float32)
     state["embeddings.position_embeddings"] = session.run([POSITIONS], {INPUT: zero})[0]
