@@ -64,12 +64,12 @@ def exported(folder, tmp_path_factory):
     """fp32 export; fold and defer of it (flashnorm optimize)."""
     from flashnorm.passes import optimize_file
 
-    Progress.enabled = False
+    enabled, Progress.enabled = Progress.enabled, False
     root = tmp_path_factory.mktemp("dinov2_onnx")
     paths = {"original": root / "dinov2.onnx", "deferred": root / "dinov2.flashnorm.onnx"}
     assert cli.main(["export", str(folder), "-o", str(paths["original"]), "--opset", "17", "-q"]) == 0
     report = optimize_file(paths["original"], paths["deferred"], ("fold", "defer"))
-    Progress.enabled = True
+    Progress.enabled = enabled
     yield paths, report
     shutil.rmtree(root, ignore_errors=True)
 

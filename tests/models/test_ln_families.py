@@ -53,14 +53,14 @@ def folders(tmp_path_factory) -> dict[str, Path]:
 def exports(folders, tmp_path_factory) -> dict[tuple[str, int], Path]:
     """Every family at every opset, exported once for the module (their optimized graphs are
     kept until the module ends)."""
-    Progress.enabled = False
+    enabled, Progress.enabled = Progress.enabled, False
     root = tmp_path_factory.mktemp("ln_exports")
     paths = {}
     for family in FAMILIES:
         for opset in OPSETS:
             paths[family.name, opset] = root / f"{family.name}.opset{opset}.onnx"
             export_folder(family, folders[family.name], paths[family.name, opset], opset=opset)
-    Progress.enabled = True
+    Progress.enabled = enabled
     yield paths
     _OPTIMIZED.clear()
 
