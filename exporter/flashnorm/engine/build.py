@@ -18,9 +18,6 @@ import time
 from pathlib import Path
 from typing import Any, Mapping, Optional, Sequence
 
-import onnx
-from google.protobuf.message import DecodeError
-
 from flashnorm import contract, signals
 from flashnorm.engine.loader import (
     RTX_HAS_NO_PLUGINS, Backend, import_backend, load_plugins, registered_flashnorm_creators,
@@ -29,6 +26,7 @@ from flashnorm.engine.progress import make_progress_monitor
 from flashnorm.engine.shapes import ShapeRange
 from flashnorm.errors import FlashNormError, require_file
 from flashnorm.files import atomic_write
+from flashnorm.untrusted import InputFile, Unchanged
 
 
 @dataclasses.dataclass
@@ -49,10 +47,9 @@ class BuildOptions:
 def flashnorm_node_names(onnx_path: str | os.PathLike[str]) -> list[str]:
     """Names of the FlashNormMatMul<N> nodes of a model (read without its weights). A model
     written with the older encoding is refused with what to do."""
-    try:
-        model = onnx.load(os.fspath(onnx_path), load_external_data=False)
-    except DecodeError:
-        raise FlashNormError(f"{onnx_path} is not an ONNX model: protobuf parse failed") from None
+    from flashnorm.modelio import read_header
+
+    model = read_header(onnx_path)
     legacy = contract.legacy_encoding(((n.op_type, n.domain) for n in model.graph.node),
                                       ((f.name, f.domain, f.overload) for f in model.functions))
     if legacy:
@@ -213,6 +210,12 @@ def build_serialized_engine(onnx_path: str | os.PathLike[str], options: BuildOpt
     missing TensorRT, bad input, a parser error, a plugin that did not take, a failed build."""
     source = require_file("model", onnx_path)
     expected = flashnorm_node_names(source)
+    # TensorRT's parser opens the model and its data by name: our own reader checks them first
+    # (inside the model's folder, regular files, every tensor's bytes there; one line each), and
+    # the plan is refused if any of them changes before it is returned.
+    from flashnorm.modelio import external_data_files
+
+    read = Unchanged([(source, "model"), *((data, "external data file") for data in external_data_files(source))])
     backend = select_backend(options.backend, options.plugins)
     trt = backend.module
     logger = _build_logger(trt, options.verbose)
@@ -249,7 +252,7 @@ def build_serialized_engine(onnx_path: str | os.PathLike[str], options: BuildOpt
     # documented no-ops, so the cache is neither read nor written there.
     use_cache = cache_path is not None and backend.name == "tensorrt"
     if use_cache:
-        cached = cache_path.read_bytes() if cache_path.is_file() else b""
+        cached = _read_timing_cache(cache_path)
         cache = config.create_timing_cache(cached)
         config.set_timing_cache(cache, ignore_mismatch=False)
 
@@ -261,6 +264,7 @@ def build_serialized_engine(onnx_path: str | os.PathLike[str], options: BuildOpt
     if serialized is None:
         raise FlashNormError(f"{backend.describe()} could not build an engine from {source} (see its messages above)")
     plan = bytes(memoryview(serialized))
+    read.check()
     if use_cache:
         with atomic_write(cache_path, "wb") as handle:
             handle.write(bytes(memoryview(config.get_timing_cache().serialize())))
@@ -293,6 +297,17 @@ def build_serialized_engine(onnx_path: str | os.PathLike[str], options: BuildOpt
     return plan, report
 
 
+def _read_timing_cache(path: Path) -> bytes:
+    """The timing cache's bytes (none if it does not exist yet); a FIFO or device is refused."""
+    if not os.path.lexists(path):
+        return b""
+    cache = InputFile(path, "timing cache")
+    try:
+        return cache.read_at(0, cache.size)
+    finally:
+        cache.close()
+
+
 def build_engine_file(onnx_path: str | os.PathLike[str], plan_path: str | os.PathLike[str],
                       options: BuildOptions) -> dict:
     """Build and write the engine atomically (a failed build leaves no file behind)."""
@@ -312,7 +327,11 @@ def deserialize_engine(plan_path: str | os.PathLike[str], plugins: Sequence[str 
     chosen = select_backend(backend, plugins)
     source = require_file("engine", plan_path)
     load_plugins(chosen.module, plugins)
-    engine, why = load_engine(chosen.module, source.read_bytes())
+    plan = InputFile(source, "engine")
+    try:
+        engine, why = load_engine(chosen.module, plan.read_at(0, plan.size))
+    finally:
+        plan.close()
     if engine is None:
         raise FlashNormError(f"{chosen.describe()} cannot load {source} ({why}): built by another TensorRT version, "
                              "for another GPU, or without its plugin registered (--plugin)")
