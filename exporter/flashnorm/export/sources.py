@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
-import json
 import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
@@ -154,10 +153,7 @@ def classify_source(source: ModelSource, tower: str | None = None) -> "Encoder |
         if tower is not None:
             raise FlashNormError("--tower applies to two-tower (CLIP) folders, not a GGUF file")
         return None
-    try:
-        config = json.loads((source.directory / "config.json").read_text())
-    except (OSError, ValueError) as exc:
-        raise FlashNormError(f"{source.directory / 'config.json'} is not readable JSON: {exc}") from None
+    config = read_json(source.directory / "config.json", "config")
     if not isinstance(config, dict):
         raise FlashNormError(f"{source.directory / 'config.json'} is not a JSON object")
     encoder = encoder_for(config, tower)
