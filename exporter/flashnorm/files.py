@@ -13,6 +13,7 @@ import contextlib
 import os
 import re
 import shutil
+import stat
 import tempfile
 from pathlib import Path
 from typing import IO, Callable, Collection, Iterator, Sequence
@@ -49,6 +50,7 @@ class StagedFile:
         self.fd = -1
         if to is not None:
             self.path = to
+        check_replaceable_file(self.path, f"output {self.path}")  # again: it may have appeared since the check
         os.replace(self.temporary, self.path)
         self.committed = True
 
@@ -152,6 +154,29 @@ def atomic_write(path: str | os.PathLike[str], mode: str = "wb") -> Iterator[IO]
     except BaseException:
         staged.discard()
         raise
+
+
+def check_replaceable_file(target: Path, named: str) -> None:
+    """FlashNormError (one line, starting with `named`) unless `target` may be replaced by a file:
+    missing, a regular file, or a symlink (the link is replaced, never what it points to) to one.
+    Never a device, FIFO or socket: a rename would replace the node itself (as root, /dev/null)."""
+    try:
+        mode = os.stat(target).st_mode
+    except FileNotFoundError:
+        return
+    except OSError as exc:
+        raise FlashNormError(f"cannot write {named}: {exc.strerror}") from None
+    if stat.S_ISDIR(mode):
+        raise FlashNormError(f"{named} is a directory")
+    if not stat.S_ISREG(mode):
+        raise FlashNormError(f"{named} exists and is {_kind(mode)}, not a regular file; flashnorm replaces only "
+                             "regular files")
+
+
+def _kind(mode: int) -> str:
+    kinds = ((stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"), (stat.S_ISFIFO, "a FIFO"),
+             (stat.S_ISSOCK, "a socket"))
+    return next((name for test, name in kinds if test(mode)), "a special file")
 
 
 MARKER = ".flashnorm-output"

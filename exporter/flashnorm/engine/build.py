@@ -78,7 +78,7 @@ def _parse_network(trt: Any, builder: Any, logger: Any, onnx_path: Path) -> tupl
     override = getattr(getattr(trt, "OnnxParserFlag", None), "ENABLE_PLUGIN_OVERRIDE", None)
     if override is not None:
         parser.set_flag(override)
-    if not parser.parse_from_file(os.fspath(onnx_path)):
+    if not signals.run_stoppable(parser.parse_from_file, os.fspath(onnx_path), keep=(logger, builder, network)):
         errors = [parser.get_error(i).desc() for i in range(parser.num_errors)]
         first = errors[0] if errors else "no error message"
         raise FlashNormError(f"TensorRT's ONNX parser rejected {onnx_path}: {first}"
@@ -108,7 +108,11 @@ def _profile(trt: Any, builder: Any, network: Any, shapes: Mapping[str, ShapeRan
             d >= 0 and not (lo == d == hi) for d, lo, hi in zip(declared, shape_range.minimum, shape_range.maximum)
         ):
             raise FlashNormError(f"--shapes {name}:{shape_range.describe()} does not fit the input's shape {list(declared)}")
-        profile.set_shape(name, shape_range.minimum, shape_range.optimum, shape_range.maximum)
+        try:
+            profile.set_shape(name, shape_range.minimum, shape_range.optimum, shape_range.maximum)
+        except (RuntimeError, TypeError, ValueError) as exc:  # the bindings' checks of the sizes
+            reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise FlashNormError(f"TensorRT refused --shapes {name}:{shape_range.describe()}: {reason.rstrip('.')}") from None
         used[name] = shape_range.describe()
     return profile, used
 
@@ -144,20 +148,27 @@ def network_summary(trt: Any, network: Any, flashnorm_nodes: Sequence[str]) -> d
 _REPEATED_FUNCTION_NODE = "already exists, the output tensors of this new instance will not be queryable"
 
 
-def _build_logger(trt: Any, verbose: bool) -> Any:
-    """TensorRT's messages on stderr, as trt.Logger prints them, with the parser's warnings
-    about repeated function-body node names counted instead of printed."""
+def _build_logger(trt: Any, verbose: bool, quiet: bool = False) -> Any:
+    """TensorRT's messages on stderr, as trt.Logger prints them (none with `quiet`, -q: the
+    first error reaches the user in the command's one line), with the parser's warnings about
+    repeated function-body node names counted instead of printed."""
     shown = trt.ILogger.Severity.VERBOSE if verbose else trt.ILogger.Severity.WARNING
+    errors = (trt.ILogger.Severity.ERROR, trt.ILogger.Severity.INTERNAL_ERROR)
 
     class BuildLogger(trt.ILogger):
         def __init__(self) -> None:
             trt.ILogger.__init__(self)
             self.repeated_function_nodes = 0
+            self.first_error = ""
 
         def log(self, severity, message):
+            if signals.stop_requested():  # the command is stopping: its last line is the stop's
+                return
+            if severity in errors and not self.first_error:
+                self.first_error = str(message).strip().splitlines()[0] if str(message).strip() else ""
             if _REPEATED_FUNCTION_NODE in message and not verbose:
                 self.repeated_function_nodes += 1
-            elif int(severity) <= int(shown):
+            elif int(severity) <= int(shown) and not (quiet and not verbose):
                 print(f"[TensorRT] [{severity.name}] {message}", file=sys.stderr, flush=True)
 
     return BuildLogger()
@@ -218,7 +229,7 @@ def build_serialized_engine(onnx_path: str | os.PathLike[str], options: BuildOpt
     read = Unchanged([(source, "model"), *((data, "external data file") for data in external_data_files(source))])
     backend = select_backend(options.backend, options.plugins)
     trt = backend.module
-    logger = _build_logger(trt, options.verbose)
+    logger = _build_logger(trt, options.verbose, quiet=not options.progress)
     plugins = load_plugins(trt, options.plugins)
     if expected and not backend.hosts_plugins and registered_flashnorm_creators(trt):
         raise FlashNormError(f"a FlashNormMatMul plugin creator is registered with {backend.describe()}, whose parser "
@@ -257,12 +268,14 @@ def build_serialized_engine(onnx_path: str | os.PathLike[str], options: BuildOpt
         config.set_timing_cache(cache, ignore_mismatch=False)
 
     start = time.monotonic()
-    serialized = builder.build_serialized_network(network, config)
+    serialized = signals.run_stoppable(builder.build_serialized_network, network, config,
+                                       keep=(logger, builder, _parser, monitor, profile, plugins))
     seconds = time.monotonic() - start
     if serialized is None and signals.stop_requested():
         signals.raise_stop()
     if serialized is None:
-        raise FlashNormError(f"{backend.describe()} could not build an engine from {source} (see its messages above)")
+        raise FlashNormError(f"{backend.describe()} could not build an engine from {source}: "
+                             + (logger.first_error or "it gave no reason"))
     plan = bytes(memoryview(serialized))
     read.check()
     if use_cache:

@@ -435,6 +435,7 @@ def export_causal_lm(
         "flashnorm.kv_cache": str(bool(kv_cache)).lower(),
         "flashnorm.tied_lm_head": str(tied).lower(),
         "flashnorm.dtype": dtype_name,
+        **context_metadata(model.config),
         **(metadata or {}),
     }
     onnx.helper.set_model_props(onnx_model, properties)
@@ -514,6 +515,13 @@ def export_encoder(model: Any, encoder: "Encoder", output: str | os.PathLike[str
         "export_seconds": round(export_seconds, 1),
         "seconds": round(time.monotonic() - started, 1),
     }
+
+
+def context_metadata(config: Any) -> dict[str, str]:
+    """The trained context (max_position_embeddings) as ONNX metadata, which `compare` checks
+    its positions against (validate.feeds.CONTEXT_LENGTH_KEY); none where the config has none."""
+    length = getattr(config, "max_position_embeddings", None)
+    return {"flashnorm.context_length": str(length)} if isinstance(length, int) and length > 0 else {}
 
 
 def _output_dtype(model: onnx.ModelProto, name: str) -> str | None:
