@@ -157,4 +157,5 @@ def test_engine_repository_without_a_profile_says_it_is_unchecked(tmp_path, engi
                      "-o", str(tmp_path / "repo"), "--report", "-"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["profile"] == {}
-    assert [item.split(" (")[0] for item in report["unchecked_by_config"]] == ["the engine's optimization profile"]
+    assert [item.split(" (")[0] for item in report["unchecked_by_config"]] == ["the engine's optimization profile",
+                                                                             "finite values of x"]

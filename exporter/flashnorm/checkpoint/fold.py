@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 from flashnorm.checkpoint.shards import (
     INDEX_NAME, BlockBuffers, Planned, SafetensorsSource, StateDictSource, TensorSource, row_blocks, write_shard,
 )
-from flashnorm.checkpoint.sites import NormSite, probe_structure
+from flashnorm.checkpoint.sites import NormSite, loaded_structure, probe_structure
 from flashnorm.errors import FlashNormError
 from flashnorm.export.checks import check_model_directory, read_json
 from flashnorm.files import staged_directory
@@ -123,21 +123,29 @@ def _fold_into(stage: Path, source: Any, untie: bool, dtype: str, model: Any, in
 
 
 def fold_loaded_model(model: Any, *, round_to: str | None = None) -> dict[str, Any]:
-    """Fold every foldable norm of an already loaded transformers model in place (tied heads
-    stay tied, so the final norm of a tied model keeps its gain): each consumer's weight
-    becomes W·diag(g) computed in float64 and rounded once, to `round_to` (a torch dtype name,
-    e.g. 'float16') when the model will be cast to it afterwards, else to the weight's own
-    dtype; the norm's weight becomes its identity. The same weights `fold_checkpoint(...,
-    dtype=round_to)` writes, for `flashnorm export --fold`. Returns {folded, left_alone, sites}."""
+    """Fold every foldable norm of an already loaded transformers model — a causal LM or an
+    encoder, RMSNorm or LayerNorm (`sites.loaded_structure`) — in place (tied heads stay tied,
+    so the final norm of a tied model keeps its gain): each consumer's weight becomes
+    W·diag(g) computed in float64 and rounded once, to `round_to` (a torch dtype name, e.g.
+    'float16') when the model will be cast to it afterwards, else to the weight's own dtype;
+    the norm's weight becomes its identity. For RMSNorms the same weights `fold_checkpoint(...,
+    dtype=round_to)` writes; LayerNorms: `_fold_layer_norm`. For `flashnorm export --fold`.
+    Returns {architecture, folded, left_alone, sites_left_alone}."""
     import torch
 
-    structure = probe_structure(model.config, untie=False)
+    structure = loaded_structure(model)
     modules = dict(model.named_modules())
     folded, alone = [], []
     with torch.no_grad():
         for site in structure.sites:
             if not site.folded:
                 alone.append({"name": site.name, "reason": site.reason})
+                continue
+            if site.kind == "layer":
+                if _fold_layer_norm(modules[site.name], [modules[lin] for lin in site.linears], round_to):
+                    folded.append(site.name)
+                else:
+                    alone.append({"name": site.name, "reason": "its gain and bias are already the identity (weightless)"})
                 continue
             norm = modules[site.name]
             gain = norm.weight.detach().to(torch.float64)
@@ -156,6 +164,48 @@ def fold_loaded_model(model: Any, *, round_to: str | None = None) -> dict[str, A
             folded.append(site.name)
     return {"architecture": structure.architecture, "folded": len(folded), "left_alone": len(alone),
             "sites_left_alone": alone}
+
+
+def _fold_layer_norm(norm: Any, linears: list[Any], round_to: str | None) -> bool:
+    """Fold a LayerNorm's gain g and bias b into the linear layers that read it, and centre
+    them, in float64 with one rounding (to `round_to`, else each tensor's own dtype):
+
+        W* = W·diag(g),  c* = c + W·b,  W_c = W* − mean over the input axis of W*
+
+    (nn.Linear stores W as [out, in]; GPT-2's Conv1D as [in, out]). After centring, every row
+    of W_c sums to zero over the input channels, so x·W_cᵀ = (x − μ)·W_cᵀ: the consumer no
+    longer needs the mean, and the LayerNorm, left with weight 1 and bias 0, still computes
+    the same function. A linear without a bias gets one (b·W is rarely zero). Returns False
+    (nothing changed) when g is all ones and b all zeros."""
+    import torch
+
+    gain = norm.weight.detach().to(torch.float64)
+    shift = norm.bias.detach().to(torch.float64) if getattr(norm, "bias", None) is not None else torch.zeros_like(gain)
+    if bool(torch.all(gain == 1.0)) and not bool(torch.any(shift)):
+        return False
+
+    def rounded(value: Any, like: Any) -> Any:
+        if round_to is not None:
+            value = value.to(getattr(torch, round_to))
+        return value.to(like.dtype)
+
+    for linear in linears:
+        conv1d = type(linear).__name__ == "Conv1D"
+        weight = linear.weight.detach().to(torch.float64)
+        weight = weight.T if conv1d else weight  # [out, in]
+        bias = linear.bias.detach().to(torch.float64) if linear.bias is not None else torch.zeros(weight.shape[0], dtype=torch.float64)
+        scaled = weight * gain
+        centred = scaled - scaled.mean(dim=1, keepdim=True)
+        new_bias = bias + weight @ shift
+        linear.weight.copy_(rounded(centred.T if conv1d else centred, linear.weight))
+        if linear.bias is None:
+            linear.bias = torch.nn.Parameter(rounded(new_bias, linear.weight), requires_grad=False)
+        else:
+            linear.bias.copy_(rounded(new_bias, linear.bias))
+    norm.weight.fill_(1.0)
+    if getattr(norm, "bias", None) is not None:
+        norm.bias.zero_()
+    return True
 
 
 @dataclasses.dataclass(frozen=True)

@@ -5,13 +5,15 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
-import json
 import os
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from flashnorm.errors import FlashNormError
 from flashnorm.export.checks import check_gguf, check_model_directory, read_json, safetensors_shards
+
+if TYPE_CHECKING:
+    from flashnorm.export.encoders import Encoder
 
 
 @dataclasses.dataclass(frozen=True)
@@ -139,3 +141,33 @@ def load_tokenizer(source: ModelSource):
     except (OSError, ValueError, KeyError) as exc:
         first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise FlashNormError(f"cannot load a tokenizer from {source.describe()}: {first_line}") from None
+
+
+def classify_source(source: ModelSource, tower: str | None = None) -> "Encoder | None":
+    """The encoder `source` is (`flashnorm.export.encoders.ENCODERS`), or None for a causal LM
+    (every GGUF file, and every model type transformers maps to AutoModelForCausalLM). Anything
+    else is refused in one line that names what `flashnorm export` takes."""
+    from flashnorm.export.encoders import encoder_for, supported_families
+
+    if source.gguf_file:
+        if tower is not None:
+            raise FlashNormError("--tower applies to two-tower (CLIP) folders, not a GGUF file")
+        return None
+    config = read_json(source.directory / "config.json", "config")
+    if not isinstance(config, dict):
+        raise FlashNormError(f"{source.directory / 'config.json'} is not a JSON object")
+    encoder = encoder_for(config, tower)
+    if encoder is not None:
+        return encoder
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    model_type = config.get("model_type")
+    if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        kind = config.get("architectures") or []
+        named = f"{kind[0]} (model_type {model_type!r})" if kind else f"model_type {model_type!r}"
+        raise FlashNormError(
+            f"unsupported architecture {named}: flashnorm export takes causal LMs (GPT-2, OPT, BLOOM, Falcon, "
+            f"Phi, GPT-NeoX, Llama, Mistral, Qwen, Gemma, ... any AutoModelForCausalLM) and the encoders "
+            f"{supported_families()}"
+        )
+    return None

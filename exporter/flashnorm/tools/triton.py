@@ -10,6 +10,15 @@ Two kinds:
   disagree, shapes outside the profile.
 - `--onnx model.onnx --triton-backend python -o REPO`: a Python-backend model serving the ONNX with
   ONNX Runtime (no GPU needed); it checks requests itself.
+- `--onnx model.onnx --triton-backend onnxruntime -o REPO`: an `onnxruntime_onnx` model for
+  Triton's ONNX Runtime backend (a folded or deferred file runs as it is: FlashNormMatMul nodes
+  through their model-local functions); `--check-requests` puts the Python-backend checks in
+  front (an ensemble).
+
+Embedding models (an encoder exported by `flashnorm export`: pixel_values, input_ids +
+attention_mask or input_features → last_hidden_state and a pooled output) are served like
+language models: `--outputs` picks the pooled output and/or the last hidden state, token ids are
+checked against the embedding table, pixels and features must be finite.
 """
 
 from __future__ import annotations
@@ -32,14 +41,15 @@ from flashnorm.tools.options import (
     onnx_inputs,
 )
 
-TRITON_BACKENDS = ("tensorrt", "python")
+TRITON_BACKENDS = ("tensorrt", "python", "onnxruntime")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     source = parser.add_argument_group("model")
     source.add_argument("--triton-backend", choices=TRITON_BACKENDS, default="tensorrt",
                         help="the Triton backend that serves the model: tensorrt serves --engine; python serves "
-                             "--onnx with ONNX Runtime (default: tensorrt)")
+                             "--onnx with ONNX Runtime from a Python model; onnxruntime writes --onnx for Triton's "
+                             "ONNX Runtime backend (default: tensorrt)")
     source.add_argument("--backend", dest="triton_backend", choices=TRITON_BACKENDS, action=DeprecatedAlias,
                         replacement="--triton-backend",
                         why="--backend names the TensorRT flavour in build and compare",
@@ -67,15 +77,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     config.add_argument("--cuda-graphs", action="store_true",
                         help="tensorrt: add optimization { cuda { graphs: true } }")
     config.add_argument("--check-requests", action="store_true",
-                        help="tensorrt: serve NAME as an ensemble whose first step, a Python-backend model "
-                        "(numpy only), refuses bad requests (token ids outside the vocabulary, lengths that "
-                        "disagree, shapes outside --shapes) with HTTP 400 before the engine runs")
+                        help="tensorrt, onnxruntime: serve NAME as an ensemble whose first step, a Python-backend "
+                        "model (numpy only), refuses bad requests (token ids outside the vocabulary, lengths that "
+                        "disagree, non-finite pixels or features, shapes outside --shapes) with HTTP 400 before "
+                        "the model runs")
     config.add_argument("--outputs", nargs="+", metavar="NAME",
-                        help="python: serve only these ONNX outputs (e.g. logits)")
+                        help="python, onnxruntime: serve only these ONNX outputs (e.g. logits; an encoder's "
+                             "pooler_output, image_embeds or text_embeds, and/or last_hidden_state)")
     config.add_argument("--threads", type=at_least(0, highest=INT32_LIMIT), default=0,
                         help="python: ONNX Runtime intra-op threads per instance (default: 0 = its choice)")
     config.add_argument("--providers", default="CPUExecutionProvider",
-                        help="python: comma-separated ONNX Runtime providers (default: CPUExecutionProvider)")
+                        help="python: comma-separated ONNX Runtime providers; onnxruntime: GPU instances where "
+                             "one is not CPUExecutionProvider (default: CPUExecutionProvider)")
 
 
 def paths(args: argparse.Namespace) -> tuple[list[Input], list[Output]]:
@@ -122,9 +135,30 @@ def _engine_signature(args: argparse.Namespace):
 
 
 def run(args: argparse.Namespace) -> dict:
-    from flashnorm.serve import signature_from_onnx, write_engine_repository, write_onnx_python_repository
+    from flashnorm.serve import (
+        signature_from_onnx,
+        write_engine_repository,
+        write_onnx_python_repository,
+        write_onnxruntime_repository,
+    )
 
-    if args.triton_backend == "python":
+    providers = tuple(p.strip() for p in args.providers.split(",") if p.strip())
+    if args.triton_backend == "onnxruntime":
+        if not args.onnx:
+            raise FlashNormError("--triton-backend onnxruntime needs --onnx MODEL.onnx")
+        for flag, value in (("--engine", args.engine), ("--plugin", args.plugin), ("--io", args.io),
+                            ("--cuda-graphs", args.cuda_graphs), ("--shapes", args.shapes), ("--threads", args.threads)):
+            if value:
+                raise FlashNormError(f"{flag} does not apply to --triton-backend onnxruntime")
+        signature = signature_from_onnx(args.onnx).select_outputs(args.outputs)
+        result = write_onnxruntime_repository(
+            args.onnx, signature, args.output,
+            name=args.name or _default_name(args.onnx), max_batch_size=args.max_batch_size,
+            instances=args.instances, max_queue_delay_us=args.max_queue_delay_us,
+            gpu=any(provider != "CPUExecutionProvider" for provider in providers),
+            check_requests=args.check_requests, force=args.force,
+        )
+    elif args.triton_backend == "python":
         if not args.onnx:
             raise FlashNormError("--triton-backend python needs --onnx MODEL.onnx")
         for flag, value in (("--engine", args.engine), ("--plugin", args.plugin), ("--io", args.io),
@@ -137,9 +171,7 @@ def run(args: argparse.Namespace) -> dict:
             args.onnx, signature, args.output,
             name=args.name or _default_name(args.onnx), max_batch_size=args.max_batch_size,
             instances=args.instances, max_queue_delay_us=args.max_queue_delay_us,
-            intra_op_threads=args.threads,
-            providers=tuple(p.strip() for p in args.providers.split(",") if p.strip()),
-            force=args.force,
+            intra_op_threads=args.threads, providers=providers, force=args.force,
         )
     else:
         if not args.engine:
@@ -173,6 +205,7 @@ def run(args: argparse.Namespace) -> dict:
         "inputs": [{"name": s.name, "data_type": s.data_type, "shape": list(s.shape)} for s in signature.inputs],
         "outputs": [{"name": s.name, "data_type": s.data_type, "shape": list(s.shape)} for s in signature.outputs],
         "config_validated": True,
+        "vocabulary": signature.vocabulary or None,
         **result.to_dict(),
     }
     if args.triton_backend == "tensorrt":
