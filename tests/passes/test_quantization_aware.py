@@ -125,3 +125,33 @@ def test_fold_checkpoint_selects_the_same_way(tmp_path):
     for name in ("model.layers.0.post_attention_layernorm", "model.layers.1.input_layernorm"):
         assert sites[name]["status"] == "folded" and sites[name]["predicted_error_ratio"] == pytest.approx(1.0)
     assert report["for_quantization"] == "int4" and report["folded"] == 3
+
+
+# Pinned before the selection moved out of passes/ (docs/QUANTIZATION.md's routes select with it):
+# per format, which of seven sites of growing gain spread fold and their predicted error ratios.
+_SPREADS = (0.0, 0.05, 0.2, 0.4, 0.7, 1.0, 1.5)
+_PINNED = {
+    "int4": (3, (1.0, 1.0075, 1.1023, 1.3261, 1.7936, 1.7901, 1.4889)),
+    "int4-b32": (4, (1.0, 1.0043, 1.0613, 1.2231, 1.4836, 1.5107, 1.2414)),
+    "int8": (3, (1.0, 1.0028, 1.1153, 1.3726, 2.0365, 2.1849, 2.6791)),
+}
+
+
+def _pinned_model() -> gs.Graph:
+    """Seven norms in a chain (hidden 256: two int4 blocks, eight of 32), gain i log-normal with
+    spread _SPREADS[i] and one sign in ten negative; fixed seed."""
+    rng = np.random.default_rng(49)
+    b, hidden, h = GraphBuilder(), 256, "x"
+    for i, spread in enumerate(_SPREADS):
+        gain = np.exp(rng.normal(0, spread, hidden)) * np.where(rng.random(hidden) < 0.1, -1, 1)
+        y = pow_div(b, h, gain.astype(np.float32), 1e-5)
+        h = b.op("MatMul", [y, b.const((rng.standard_normal((hidden, hidden)) / 16).astype(np.float32), f"w{i}")])
+    return gs.import_onnx(b.model([helper.make_tensor_value_info("x", TensorProto.FLOAT, ["b", "s", hidden])], [h]))
+
+
+@pytest.mark.parametrize("fmt", sorted(_PINNED))
+def test_the_selection_is_pinned(fmt):
+    folded, ratios = _PINNED[fmt]
+    _, (report,) = run_passes(_pinned_model(), ["fold"], for_quantization=fmt)
+    assert [d.action for d in report.decisions] == ["folded"] * folded + ["skipped"] * (len(_SPREADS) - folded)
+    assert [d.details["predicted_error_ratio"] for d in report.decisions] == pytest.approx(ratios, abs=2e-4)
