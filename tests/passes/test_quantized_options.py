@@ -11,7 +11,6 @@ from flashnorm import cli
 from test_fold_quantized import _float_model, ort_nbits
 
 
-@pytest.mark.xfail(strict=True, reason="AttributeError: 'QuantEdit' object has no attribute 'stored' (issue 49)")
 def test_for_quantization_on_a_quantized_file_is_one_line(tmp_path, capsys):
     model, _ = _float_model(np.random.default_rng(0), widths=(40, 24))
     path = tmp_path / "q.onnx"

@@ -76,6 +76,9 @@ class QuantizedOp:
     edit: Optional[str] = None
     """The module under `passes/quantized/` that folds a gain into it; None: nothing does."""
 
+    domain: str = ""
+    """Where the op is defined: '' (ONNX), 'com.microsoft' (ONNX Runtime), 'trt' (TensorRT)."""
+
 
 QUANTIZED_OPS: dict[str, QuantizedOp] = {
     # ONNX
@@ -87,18 +90,25 @@ QUANTIZED_OPS: dict[str, QuantizedOp] = {
     "QLinearMatMul": QuantizedOp(INTEGER, activation=0, codes=3, scales=4, zero_points=5),
     # ONNX Runtime contrib ops (com.microsoft)
     "MatMulNBits": QuantizedOp(WEIGHT, activation=0, codes=1, scales=2, zero_points=3, bias=5, homogeneous=True,
-                               edit="matmulnbits"),
-    "MatMulBnb4": QuantizedOp(WEIGHT, activation=0, codes=1, scales=2, zero_points=None, homogeneous=True),
-    "DynamicQuantizeMatMul": QuantizedOp(DYNAMIC, activation=0, codes=1, scales=2, zero_points=3, bias=4),
-    "MatMulIntegerToFloat": QuantizedOp(INTEGER, activation=0, codes=1, scales=3, zero_points=5, bias=6),
-    "QGemm": QuantizedOp(INTEGER, activation=0, codes=3, scales=4, zero_points=5, bias=6),
-    "QAttention": QuantizedOp(INTEGER, activation=0, codes=1, scales=4, zero_points=7, bias=2),
-    "GatherBlockQuantized": QuantizedOp(GATHER, activation=None, codes=0, scales=2, zero_points=3),
-    # TensorRT's custom Q/DQ (ModelOpt writes them for fp8 and int4 engines; domain trt)
-    "TRT_FP8QuantizeLinear": QuantizedOp(QUANTIZE, activation=0, codes=None, scales=1, zero_points=None),
-    "TRT_FP8DequantizeLinear": QuantizedOp(DEQUANTIZE, activation=None, codes=0, scales=1, zero_points=None),
-    "TRT_INT4QuantizeLinear": QuantizedOp(QUANTIZE, activation=0, codes=None, scales=1, zero_points=None),
-    "TRT_INT4DequantizeLinear": QuantizedOp(DEQUANTIZE, activation=None, codes=0, scales=1, zero_points=None),
+                               edit="matmulnbits",
+                               domain="com.microsoft"),
+    "MatMulBnb4": QuantizedOp(WEIGHT, activation=0, codes=1, scales=2, zero_points=None, homogeneous=True,
+                              domain="com.microsoft"),
+    "DynamicQuantizeMatMul": QuantizedOp(DYNAMIC, activation=0, codes=1, scales=2, zero_points=3, bias=4,
+                                         domain="com.microsoft"),
+    "MatMulIntegerToFloat": QuantizedOp(INTEGER, activation=0, codes=1, scales=3, zero_points=5, bias=6,
+                                        domain="com.microsoft"),
+    "QGemm": QuantizedOp(INTEGER, activation=0, codes=3, scales=4, zero_points=5, bias=6, domain="com.microsoft"),
+    "QAttention": QuantizedOp(INTEGER, activation=0, codes=1, scales=4, zero_points=7, bias=2, domain="com.microsoft"),
+    "GatherBlockQuantized": QuantizedOp(GATHER, activation=None, codes=0, scales=2, zero_points=3,
+                                        domain="com.microsoft"),
+    # TensorRT's custom Q/DQ (ModelOpt writes them for fp8 and int4 engines)
+    "TRT_FP8QuantizeLinear": QuantizedOp(QUANTIZE, activation=0, codes=None, scales=1, zero_points=None, domain="trt"),
+    "TRT_FP8DequantizeLinear": QuantizedOp(DEQUANTIZE, activation=None, codes=0, scales=1, zero_points=None,
+                                           domain="trt"),
+    "TRT_INT4QuantizeLinear": QuantizedOp(QUANTIZE, activation=0, codes=None, scales=1, zero_points=None, domain="trt"),
+    "TRT_INT4DequantizeLinear": QuantizedOp(DEQUANTIZE, activation=None, codes=0, scales=1, zero_points=None,
+                                            domain="trt"),
 }
 """Every op type that runs on quantized values, by name (domains differ, names do not collide)."""
 
@@ -175,9 +185,22 @@ class DequantizedWeight:
         return _input(self.dequantize, self.op.zero_points)
 
     @property
+    def quantize_op(self) -> Optional[QuantizedOp]:
+        return QUANTIZED_OPS[self.quantize.op] if self.quantize is not None else None
+
+    @property
+    def quantize_scales(self) -> Optional[gs.Tensor]:
+        """Fake quantization: the scales QuantizeLinear divides by."""
+        return _input(self.quantize, self.quantize_op.scales) if self.quantize is not None else None
+
+    @property
+    def quantize_zero_points(self) -> Optional[gs.Tensor]:
+        return _input(self.quantize, self.quantize_op.zero_points) if self.quantize is not None else None
+
+    @property
     def float_weight(self) -> Optional[gs.Tensor]:
         """Fake quantization: the float tensor QuantizeLinear quantizes."""
-        return self.quantize.inputs[0] if self.quantize is not None else None
+        return _input(self.quantize, self.quantize_op.activation) if self.quantize is not None else None
 
     @property
     def between(self) -> tuple[gs.Node, ...]:
@@ -198,7 +221,7 @@ class DequantizedWeight:
         QuantizeLinear writes (its zero point's, its output_dtype, else uint8 as ONNX says)."""
         if self.quantize is None:
             return stored_dtype_name(self.codes)
-        zero = _input(self.quantize, QUANTIZED_OPS[self.quantize.op].zero_points)
+        zero = self.quantize_zero_points
         stored = holding_constant(zero) if zero is not None else None
         if stored is not None:
             return stored_dtype_name(stored)

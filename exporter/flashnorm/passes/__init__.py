@@ -66,11 +66,9 @@ def run_passes(graph: gs.Graph, names: Sequence[str], *, untie: bool = False,
 
     from flashnorm.passes.quantized import DEFAULT_QUANT_LIMIT
 
-    if for_quantization is not None:
-        from flashnorm.passes.quantization_aware import FORMATS
+    from flashnorm.quantization_aware import rule
 
-        if for_quantization not in FORMATS:
-            raise FlashNormError(f"unknown quantization format {for_quantization!r}; choose from {', '.join(FORMATS)}")
+    rule(for_quantization)  # an unknown format is one line before any pass runs
     options = {"untie": untie, "quant_limit": DEFAULT_QUANT_LIMIT if quant_limit is None else quant_limit,
                "for_quantization": for_quantization}
     passes = [(get_pass(name), PASSES[name][1]) for name in parse_pass_names(names)]

@@ -6,7 +6,9 @@ in float32, which gives the same bits); the site keeps a gain of ones (not an Id
 that ONNX Runtime still fuses the norm). A site is folded only if EVERY consumer is a linear
 op with a constant float weight; a weight any other node also reads (a tied embedding) is
 never changed in place: the site keeps its gain, or with `untie=True` its consumer gets its
-own folded copy. Quantized weights are never folded.
+own folded copy. A consumer that computes with quantized values (`flashnorm.match.quantized`)
+is folded by `passes/quantized/` in its own format, within `quant_limit`, or refused with the
+recogniser's reason.
 
 Float32 weights are not read while the pass runs: planning checks shapes and dtypes only,
 and each folded weight is a `DerivedValues` that `flashnorm.modelio.saving` computes while
@@ -23,39 +25,40 @@ site where some |g·W| would round to infinity in that type.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Callable, Optional
 
 import numpy as np
 import onnx_graphsurgeon as gs
 
+from flashnorm.errors import FlashNormError
 from flashnorm.modelio.values import DerivedValues
 from flashnorm.match import NormSite, find_norm_sites
 from flashnorm.match.projection import linear_use
+from flashnorm.match.quantized import quantized_use
 from flashnorm.match.queries import (
     SHAPE_ONLY_OPS,
     constant_array,
     holding_constant,
     numpy_dtype,
-    producer,
     stored_dtype_name,
     stored_initializer,
 )
 from flashnorm.match.gain import gain_slot_shape
+from flashnorm.passes.edit import WeightEdit
 from flashnorm.passes.quantized import DEFAULT_QUANT_LIMIT, NotQuantFoldable, QuantEdit, plan_quantized, site_quant_error
 from flashnorm.progress import track
 from flashnorm.report import PassReport
+from flashnorm.quantization_aware import Candidate, rule
 
-_QUANTIZED_OPS = {"MatMulNBits", "MatMulInteger", "QLinearMatMul", "MatMulIntegerToFloat", "DynamicQuantizeMatMul",
-                  "MatMulBnb4", "GatherBlockQuantized", "QGemm"}
-_DEQUANTIZE_OPS = {"DequantizeLinear", "DynamicQuantizeLinear", "QuantizeLinear"}
 _FOLDABLE_DTYPES = {"float16", "bfloat16", "float32", "float64", "double", "float"}
 # What may sit between a weight and its initializer without changing its values.
 _WEIGHT_STORAGE_OPS = frozenset({"Cast", "Identity", "Reshape", "Transpose"})
 
 
 @dataclasses.dataclass
-class WeightEdit:
-    """One consumer weight to scale: `node.inputs[index]` (directly, or behind `transpose`)."""
+class FloatEdit(WeightEdit):
+    """One float consumer weight to scale: `node.inputs[index]` (directly, or behind `transpose`)."""
 
     node: gs.Node
     index: int
@@ -69,10 +72,35 @@ class WeightEdit:
     gain_axis: int
     """Axis of the weight that runs over the normalized channels (0: [K,N] rows, 1: [N,K] columns)."""
 
+    label: str
+    """Names the folded copy: `<weight>.folded_for.<label>` (the site's name)."""
+
     transpose: Optional[gs.Node] = None
     shared_with: list[str] = dataclasses.field(default_factory=list)
     rounding: Optional["FoldRounding"] = None
     """What rounding g·W to a half type does to this weight (None for float32 and float64)."""
+
+    def apply(self, gain: np.ndarray) -> list[gs.Node]:
+        """W* = diag(g)·W as a new initializer, computed when it is saved or read; the old one is
+        left to whoever else reads it. Returns the Transpose of an untied [N, K] copy, if any."""
+        shape = [1, 1]
+        shape[self.gain_axis] = gain.size
+        folded = DerivedValues(self.stored, row_scaler(gain.reshape(shape), self.dtype), shape=self.shape,
+                               dtype=self.dtype)
+        constant = gs.Constant(f"{self.weight.name}.folded_for.{self.label}", folded)
+        if self.transpose is None:
+            self.node.inputs[self.index] = constant
+        elif self.shared_with:
+            transposed = gs.Variable(f"{constant.name}.transposed", dtype=self.dtype)
+            self.node.inputs[self.index] = transposed
+            return [gs.Node("Transpose", name=f"{constant.name}.transpose", attrs={"perm": [1, 0]},
+                            inputs=[constant], outputs=[transposed])]
+        else:
+            self.transpose.inputs[0] = constant
+        return []
+
+    def float_weight(self) -> tuple[np.ndarray, int]:
+        return constant_array(self.stored), self.gain_axis
 
 
 @dataclasses.dataclass(frozen=True)
@@ -129,7 +157,7 @@ def site_rounding(edits: list[WeightEdit]) -> Optional[dict[str, float]]:
     """A site's rounding report over its folded weights (None when no weight is half):
     the largest relative element change, and the relative L2 change of the site's
     projections' outputs together, the estimate of the error the fold adds there."""
-    measured = [e for e in edits if e.rounding is not None]
+    measured = [e for e in edits if isinstance(e, FloatEdit) and e.rounding is not None]
     if not measured:
         return None
     sizes = [float(np.prod(e.shape)) for e in measured]
@@ -152,7 +180,7 @@ class NotFoldable(Exception):
 
 
 def plan_fold(site: NormSite, graph_outputs: frozenset[str], *, untie: bool = False,
-              quant_limit: float = DEFAULT_QUANT_LIMIT) -> list[WeightEdit | QuantEdit]:
+              quant_limit: float = DEFAULT_QUANT_LIMIT) -> list[WeightEdit]:
     """The weight edits that fold `site`, or NotFoldable with the reason. Mutates nothing
     (quantized weights are read to measure their requantization error)."""
     if site.gain is None or site.gain_node is None:
@@ -175,7 +203,7 @@ def plan_fold(site: NormSite, graph_outputs: frozenset[str], *, untie: bool = Fa
             f"{', '.join(e.shared_with)} (tied); kept the gain (use --untie to copy and fold)"
         )
     for edit in edits:
-        if isinstance(edit, WeightEdit):
+        if isinstance(edit, FloatEdit):
             _measure(site, edit)
     quantized = site_quant_error(edits)
     if quantized and quantized["noise_ratio"] > quant_limit:
@@ -187,23 +215,18 @@ def plan_fold(site: NormSite, graph_outputs: frozenset[str], *, untie: bool = Fa
     return edits
 
 
-def _weight_edit(site: NormSite, node: gs.Node) -> WeightEdit | QuantEdit:
+def _weight_edit(site: NormSite, node: gs.Node) -> WeightEdit:
     where = f"consumer {node.op} {node.name!r}"
     try:
-        quantized = plan_quantized(node, site.output, site.gain, where)
+        quantized = plan_quantized(node, site.output, site.gain)
     except NotQuantFoldable as exc:
         raise NotFoldable(str(exc), **exc.details) from None
     if quantized is not None:
         return quantized
-    if node.op in _QUANTIZED_OPS:
-        raise NotFoldable(f"{where} has a quantized weight (fold needs dequantize → fold → requantize)")
     use = linear_use(node, site.output, where, NotFoldable)
     if use is None:
         raise NotFoldable(f"{where} is not a linear op with a constant weight")
     weight, transpose, transposed = use.stored_weight(where, NotFoldable)
-    source = producer(weight)
-    if source is not None and source.op in _DEQUANTIZE_OPS:
-        raise NotFoldable(f"{where} has a quantized weight ({source.op}); fold needs dequantize → fold → requantize")
     stored = stored_initializer(weight, through=_WEIGHT_STORAGE_OPS)
     if stored is not None and stored_dtype_name(stored) not in _FOLDABLE_DTYPES:
         raise NotFoldable(f"{where}: weight {stored.name!r} is stored as {stored_dtype_name(stored)} "
@@ -225,10 +248,10 @@ def _weight_edit(site: NormSite, node: gs.Node) -> WeightEdit | QuantEdit:
     if transpose is not None:
         readers += [n for n in transpose.outputs[0].outputs if n is not node]
     shared_with = [f"{n.op} {n.name!r}" for n in readers]
-    return WeightEdit(node, use.weight_index, weight, constant, shape, dtype, gain_axis, transpose, shared_with)
+    return FloatEdit(node, use.weight_index, weight, constant, shape, dtype, gain_axis, site.name, transpose, shared_with)
 
 
-def _measure(site: NormSite, edit: WeightEdit) -> None:
+def _measure(site: NormSite, edit: FloatEdit) -> None:
     """Read a half weight once and measure (and bound) what folding does to it."""
     if edit.dtype.name not in HALF_DTYPES:
         return
@@ -261,28 +284,11 @@ def row_scaler(gain: np.ndarray, dtype: np.dtype) -> Callable[[np.ndarray], np.n
 
 
 def apply_fold(site: NormSite, edits: list[WeightEdit]) -> list[gs.Node]:
-    """Write W* = diag(g)·W into each consumer (a new initializer, computed when it is saved
-    or read; the old one is left to whoever else reads it), then give the site a gain of
-    ones. Returns the nodes the caller must add to the graph (a Transpose of an untied copy)."""
-    new_nodes = []
-    for edit in edits:
-        if isinstance(edit, QuantEdit):
-            new_nodes += edit.apply(np.asarray(site.gain, dtype=np.float64).reshape(-1))
-            continue
-        shape = [1, 1]
-        shape[edit.gain_axis] = site.gain.size
-        gain = np.asarray(site.gain, dtype=np.float64).reshape(shape)
-        folded = DerivedValues(edit.stored, row_scaler(gain, edit.dtype), shape=edit.shape, dtype=edit.dtype)
-        constant = gs.Constant(f"{edit.weight.name}.folded_for.{site.name}", folded)
-        if edit.transpose is None:
-            edit.node.inputs[edit.index] = constant
-        elif edit.shared_with:
-            transposed = gs.Variable(f"{constant.name}.transposed", dtype=edit.dtype)
-            edit.node.inputs[edit.index] = transposed
-            new_nodes.append(gs.Node("Transpose", name=f"{constant.name}.transpose", attrs={"perm": [1, 0]},
-                                      inputs=[constant], outputs=[transposed]))
-        else:
-            edit.transpose.inputs[0] = constant
+    """Apply each consumer's edit (new constants computed when they are saved or read; the old
+    ones are left to whoever else reads them), then give the site a gain of ones. Returns the
+    nodes the caller must add to the graph (a Transpose of an untied copy, a copied chain)."""
+    gain = np.asarray(site.gain, dtype=np.float64).reshape(-1)
+    new_nodes = [node for edit in edits for node in edit.apply(gain)]
     ones = np.ones(gain_slot_shape(site), dtype=site.gain_dtype)  # same shape: same broadcast
     site.gain_node.inputs[site.gain_index] = gs.Constant(f"{site.name}.flashnorm_unit_gain", ones)
     return new_nodes
@@ -291,25 +297,36 @@ def apply_fold(site: NormSite, edits: list[WeightEdit]) -> list[gs.Node]:
 def fold(graph: gs.Graph, *, untie: bool = False, quant_limit: float = DEFAULT_QUANT_LIMIT,
          for_quantization: Optional[str] = None) -> tuple[gs.Graph, PassReport]:
     """Fold every foldable site's gain into its consumers' weights (quantized ones within
-    `quant_limit`). With `for_quantization` (a `passes.quantization_aware.FORMATS` name), only the
-    sites whose fold is predicted to keep that quantizer's error within its share (`select_sites`)."""
+    `quant_limit`). With `for_quantization` (a `flashnorm.quantization_aware.FORMATS` name), only
+    the sites the selection picks for that later quantizer; a graph already quantized is refused
+    then (FlashNormError: the selection judges float weights a quantizer has yet to see)."""
+    selection_rule = rule(for_quantization)
     report = PassReport("fold")
     graph_outputs = frozenset(t.name for t in graph.outputs)
     sites = find_norm_sites(graph)
+    if selection_rule is not None:
+        _refuse_quantized(sites, for_quantization)
     planned: list[tuple[NormSite, Optional[list[WeightEdit]], Optional[NotFoldable]]] = []
     for site in track(sites, "fold: sites checked", total=len(sites)):
         try:
             planned.append((site, plan_fold(site, graph_outputs, untie=untie, quant_limit=quant_limit), None))
         except NotFoldable as exc:
             planned.append((site, None, exc))
-    foldable = [(site, edits) for site, edits, _ in planned if edits is not None]
-    kept, predicted = _keep_for_quantization(foldable, for_quantization) if for_quantization else ({}, {})
+    kept: dict[str, str] = {}
+    estimates: dict[str, float] = {}
+    if selection_rule is not None:
+        candidates = [Candidate(site.name, np.asarray(site.gain, dtype=np.float64).reshape(-1),
+                                functools.partial(_float_weights, edits))
+                      for site, edits, _ in planned if edits is not None]
+        selection = selection_rule.select(track(candidates, f"fold: {for_quantization} error predicted",
+                                                total=len(candidates)))
+        kept, estimates = selection.kept, selection.estimates
     for site, edits, reason in planned:  # decisions in the order of the sites
         if reason is not None:
             report.add(site.name, "skipped", str(reason), **reason.details)
             continue
         if site.name in kept:
-            report.add(site.name, "skipped", kept[site.name], predicted_error_ratio=predicted[site.name])
+            report.add(site.name, "skipped", kept[site.name], predicted_error_ratio=estimates[site.name])
             continue
         graph.nodes.extend(apply_fold(site, edits))
         untied = [e.weight.name for e in edits if e.shared_with]
@@ -318,20 +335,23 @@ def fold(graph: gs.Graph, *, untie: bool = False, quant_limit: float = DEFAULT_Q
         report.add(site.name, "folded", "", spelling=site.spelling, gain_convention=site.gain_convention,
                    consumers=[f"{e.node.op} {e.node.name}" for e in edits], untied=untied,
                    **({"rounding": rounding} if rounding else {}), **({"quantized": quantized} if quantized else {}),
-                   **({"predicted_error_ratio": predicted[site.name]} if site.name in predicted else {}))
+                   **({"predicted_error_ratio": estimates[site.name]} if site.name in estimates else {}))
     graph.cleanup().toposort()
     return graph, report
 
 
-def _keep_for_quantization(planned: list[tuple[NormSite, list[WeightEdit]]],
-                           format_name: str) -> tuple[dict[str, str], dict[str, float]]:
-    """(sites to leave unfolded with their reason, every planned site's predicted error ratio)
-    for a model that will be quantized in `format_name` (passes/quantization_aware.py)."""
-    from flashnorm.passes.quantization_aware import FORMATS, select_sites, site_error
+def _float_weights(edits: list[WeightEdit]) -> list[tuple[np.ndarray, int]]:
+    """What a later quantizer would quantize of a site's consumers (a prescale Mul's projection
+    keeps its weight: the gain goes into the scale)."""
+    return [weight for weight in (e.float_weight() for e in edits) if weight is not None]
 
-    fmt = FORMATS[format_name]
-    errors = []
-    for site, edits in track(planned, f"fold: {fmt.name} error predicted", total=len(planned)):
-        gain = np.asarray(site.gain, dtype=np.float64).reshape(-1)
-        errors.append(site_error(site.name, [(constant_array(e.stored), e.gain_axis) for e in edits], gain, fmt))
-    return select_sites(errors, fmt), {e.name: round(e.ratio, 4) for e in errors}
+
+def _refuse_quantized(sites: list[NormSite], for_quantization: str) -> None:
+    """One line where a norm's consumer is quantized already: the selection predicts what a
+    quantizer run after the fold does to float weights, and this graph has none to give it."""
+    uses = [use for site in sites for node in site.consumers if (use := quantized_use(node, site.output))]
+    if uses:
+        raise FlashNormError(
+            f"--for-quantization {for_quantization} selects the norms to fold before a quantizer runs, but the model "
+            f"is quantized already ({len(uses)} of its norms' consumers, e.g. {uses[0].where} {uses[0].describe()}): "
+            "fold it without --for-quantization (--quant-limit bounds requantization)")

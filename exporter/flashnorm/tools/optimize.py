@@ -7,7 +7,7 @@ import argparse
 from typing import Any
 
 from flashnorm.passes import DEFAULT_PASSES, PASSES, optimize_file
-from flashnorm.passes.quantization_aware import FORMATS
+from flashnorm.quantization_aware import FORMATS
 from flashnorm.paths import Input, Output
 from flashnorm.report import grouped_reasons
 from flashnorm.tools.options import add_quant_limit_option, onnx_inputs, onnx_outputs

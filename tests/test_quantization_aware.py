@@ -11,7 +11,7 @@ from onnx import TensorProto, helper
 
 from flashnorm.errors import FlashNormError
 from flashnorm.passes import run_passes
-from flashnorm.passes.quantization_aware import FORMATS, SiteError, fold_error, quantize_rtn, select_sites
+from flashnorm.quantization_aware import FORMATS, SiteError, fold_error, quantize_rtn, select_sites
 from synthetic import GraphBuilder, pow_div, run
 
 INT4 = FORMATS["int4"]
