@@ -16,6 +16,7 @@ import json
 import os
 import shutil
 import time
+import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -65,6 +66,9 @@ def fold_checkpoint(source: ModelSource | str | os.PathLike[str], output: str | 
     if dtype not in DTYPES:
         raise FlashNormError(f"--dtype {dtype} is not one of {', '.join(DTYPES)}")
     selection_rule = rule(for_quantization, int8_limit)
+    if int8_limit is not None:
+        warnings.warn("fold_checkpoint's int8_limit is deprecated: for_quantization='int8' replaces it "
+                      "(docs/CHECKPOINTS.md)", DeprecationWarning, stacklevel=2)
     destination = Path(output)
     tensors: TensorSource | None = None
     with staged_directory(destination, force) as stage:
