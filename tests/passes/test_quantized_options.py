@@ -1,7 +1,8 @@
 """`optimize`'s options on every kind of input: each combination of --passes, --for-quantization,
 --quant-limit and input (float, weight-quantized: MatMulNBits and DequantizeLinear int4/int8,
-activation-quantized: static QDQ, mixed) does what docs/QUANTIZATION.md and the options' help
-say, site by site, or is refused in one line (FlashNormError; exit 2 on the command line).
+activation-quantized: static QDQ and ONNX Runtime's dynamic int8, mixed) does what
+docs/QUANTIZATION.md and the options' help say, site by site, or is refused in one line
+(FlashNormError; exit 2 on the command line).
 
 The rules walked here:
 - an option none of the chosen passes takes is refused (--quant-limit, --for-quantization and
@@ -10,7 +11,7 @@ The rules walked here:
   selection judges float weights a quantizer has yet to see);
 - fold: float weights fold (with --for-quantization, only the selected sites); an exact quantized
   fold always; a requantized one iff its noise ratio is within the limit; a quantized activation
-  never ("fold first, then quantize");
+  never, static or dynamic ("fold first, then quantize");
 - cancel: a norm whose only path reaches the next norm through a bias-free MatMul is cancelled;
 - defer: a folded site with float or graph-dequantized weights is deferred; a weight dequantized
   inside the op or a quantized activation is refused with that reason, whatever fold did; a gain
@@ -58,8 +59,10 @@ def _activation_quantized(b, y, rng):
     return b.op("MatMul", [a, weight])
 
 
-def _models() -> dict[str, tuple[onnx.ModelProto, list[str]]]:
+def _models(folder) -> dict[str, tuple[onnx.ModelProto, list[str]]]:
     """Input kind → (model, the role of each norm site in graph order)."""
+    from onnxruntime.quantization import QuantType, quantize_dynamic
+
     rng = np.random.default_rng(49)
     b = GraphBuilder(21)  # float: norm(even gain) → MatMul → norm(spread gain) → MatMul (256 wide)
     h = b.op("MatMul", [axes_input(b, "x", EVEN.astype(np.float32), EPS), _weight(b, rng, HIDDEN)])
@@ -75,12 +78,15 @@ def _models() -> dict[str, tuple[onnx.ModelProto, list[str]]]:
     h = b.op("MatMul", [axes_input(b, "x", random_gain(rng, HIDDEN), EPS), _weight(b, rng, HIDDEN)])
     out = _activation_quantized(b, axes_input(b, h, random_gain(rng, HIDDEN), EPS), rng)
     models["mixed"] = (b.model(_input(), [out]), ["float", "activation"])
+    onnx.save(_float_model(rng, widths=(40, 24))[0], str(folder / "float.onnx"))  # ONNX Runtime's dynamic int8:
+    quantize_dynamic(str(folder / "float.onnx"), str(folder / "dynamic.onnx"), weight_type=QuantType.QInt8)
+    models["dynamic-int8"] = (onnx.load(str(folder / "dynamic.onnx")), ["activation"])  # DynamicQuantizeLinear
     return models
 
 
 @pytest.fixture(scope="module")
-def models():
-    return _models()
+def models(tmp_path_factory):
+    return _models(tmp_path_factory.mktemp("models"))
 
 
 def _refusal(kind: str, passes: list[str], fmt, limit) -> str | None:
@@ -172,7 +178,7 @@ def test_every_combination_does_what_the_docs_say_or_is_one_line(models):
         except AssertionError as exc:
             raise AssertionError(f"{kind} --passes {passes} --for-quantization {fmt} --quant-limit {limit}: {exc}")
         walked += 1
-    assert walked == 6 * 7 * 4 * 3
+    assert walked == 7 * 7 * 4 * 3
 
 
 @pytest.mark.parametrize("limit", [-1.0, float("nan")])
