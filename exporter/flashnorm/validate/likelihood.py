@@ -14,8 +14,9 @@ of public-domain English prose) is the default.
 
 Any causal-LM ONNX file that ONNX Runtime runs: `input_ids`, optionally `attention_mask`,
 `position_ids` and `past_key_values.<i>.key/value` (fed empty; onnxruntime-genai's builder
-writes such models), and a `logits` output (else the first output). Only numpy and
-onnxruntime are needed.
+writes such models), and a `logits` output (else the first output). Measuring needs only numpy
+and onnxruntime; `quantized_ops` (is a model quantized: `flashnorm.match.quantized`'s table)
+reads the graph with onnx.
 """
 
 from __future__ import annotations
