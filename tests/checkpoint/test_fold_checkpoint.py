@@ -262,7 +262,7 @@ def test_unwritable_output(tmp_path, rng, capsys, monkeypatch):
     _save(case, tmp_path / "src", rng)
     (tmp_path / "file").write_text("x")
     err = _refused([str(tmp_path / "src"), "-o", str(tmp_path / "file" / "out")], capsys, tmp_path)
-    assert "does not exist" in err
+    assert "file is not a directory" in err
     (tmp_path / "full").mkdir()
     (tmp_path / "full" / "keep.txt").write_text("mine")
     err = _refused([str(tmp_path / "src"), "-o", str(tmp_path / "full")], capsys, tmp_path)

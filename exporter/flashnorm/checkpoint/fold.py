@@ -25,6 +25,7 @@ from flashnorm.checkpoint.shards import (
 )
 from flashnorm.checkpoint.sites import NormSite, probe_structure
 from flashnorm.errors import FlashNormError
+from flashnorm.export.checks import check_model_directory, read_json
 from flashnorm.files import staged_directory
 from flashnorm.progress import ByteProgress
 from flashnorm.quantization_aware import Candidate, Rule, int8_error_estimate, rule
@@ -75,6 +76,7 @@ def fold_checkpoint(source: ModelSource | str | os.PathLike[str], output: str | 
         try:
             tensors, structure, gains, growth, shards, estimates = _fold_into(stage, source, untie, dtype, model,
                                                                               selection_rule)
+            tensors.check_unchanged()  # a source file replaced or rewritten meanwhile: nothing is put in place
         finally:
             if tensors is not None:
                 tensors.close()
@@ -168,10 +170,10 @@ class _Directory:
 def _directory(source: ModelSource) -> tuple[Any, TensorSource]:
     from transformers import AutoConfig
 
-    try:
-        raw = json.loads((source.directory / "config.json").read_text())
-    except (OSError, ValueError) as exc:
-        raise FlashNormError(f"{source.describe()} is not a Hugging Face model directory: config.json: {exc}") from None
+    check_model_directory(source.directory)  # no FIFO, device or symlink out of the folder is read below
+    raw = read_json(source.directory / "config.json", "config")
+    if not isinstance(raw, dict):
+        raise FlashNormError(f"{source.describe()} is not a Hugging Face model directory: config.json is not an object")
     _refuse_folded(raw, source)
     try:
         config = AutoConfig.from_pretrained(str(source.directory), local_files_only=True)

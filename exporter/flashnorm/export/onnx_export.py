@@ -34,8 +34,8 @@ import onnx
 import onnx.numpy_helper
 
 from flashnorm.errors import FlashNormError
-from flashnorm.files import StagedFile, atomic_write, commit_together
-from flashnorm.modelio.saving import EXTERNAL_DATA_THRESHOLD, INLINE_TENSOR_BYTES
+from flashnorm.files import StagedFile, atomic_write
+from flashnorm.modelio.saving import EXTERNAL_DATA_THRESHOLD, INLINE_TENSOR_BYTES, commit_model_with_data
 from flashnorm.progress import Progress
 
 DEFAULT_OPSET = {False: 17, True: 23}
@@ -315,7 +315,8 @@ def lm_head_shares_embedding(model: onnx.ModelProto) -> bool:
 
 def save_model(model: onnx.ModelProto, output: str | os.PathLike[str]) -> None:
     """Write `model` as staged files (`flashnorm.files`); weights go to `<file>.data` when the
-    model is too large for one protobuf, with `flashnorm.modelio`'s thresholds."""
+    model is too large for one protobuf, with `flashnorm.modelio`'s thresholds (replacing an
+    earlier output: as `modelio.saving.commit_model_with_data` says)."""
     destination = Path(output)
     if model.ByteSize() < EXTERNAL_DATA_THRESHOLD:
         with atomic_write(destination) as handle:
@@ -325,10 +326,9 @@ def save_model(model: onnx.ModelProto, output: str | os.PathLike[str]) -> None:
     with tempfile.TemporaryDirectory(prefix=".flashnorm-save-", dir=destination.parent) as scratch:
         onnx.save_model(model, str(Path(scratch) / destination.name), save_as_external_data=True,
                         all_tensors_to_one_file=True, location=data_name, size_threshold=INLINE_TENSOR_BYTES)
-        commit_together([  # data first
-            StagedFile(destination.parent / data_name, Path(scratch) / data_name),
-            StagedFile(destination, Path(scratch) / destination.name),
-        ])
+        written = onnx.load(str(Path(scratch) / destination.name), load_external_data=False)
+        data = StagedFile(destination.parent / data_name, Path(scratch) / data_name)
+        commit_model_with_data(written, data, destination)
 
 
 def _tied_embeddings(model: Any) -> bool:
@@ -392,6 +392,7 @@ def export_causal_lm(
         "flashnorm.kv_cache": str(bool(kv_cache)).lower(),
         "flashnorm.tied_lm_head": str(tied).lower(),
         "flashnorm.dtype": dtype_name,
+        **context_metadata(model.config),
         **(metadata or {}),
     }
     onnx.helper.set_model_props(onnx_model, properties)
@@ -413,6 +414,13 @@ def export_causal_lm(
         "export_seconds": round(export_seconds, 1),
         "seconds": round(time.monotonic() - started, 1),
     }
+
+
+def context_metadata(config: Any) -> dict[str, str]:
+    """The trained context (max_position_embeddings) as ONNX metadata, which `compare` checks
+    its positions against (validate.feeds.CONTEXT_LENGTH_KEY); none where the config has none."""
+    length = getattr(config, "max_position_embeddings", None)
+    return {"flashnorm.context_length": str(length)} if isinstance(length, int) and length > 0 else {}
 
 
 def _output_dtype(model: onnx.ModelProto, name: str) -> str | None:

@@ -11,12 +11,15 @@ from typing import Any
 from flashnorm.errors import FlashNormError
 from flashnorm.export.onnx_export import DEFAULT_OPSET, torch_dtype_name
 from flashnorm.paths import Input, Output
-from flashnorm.tools.options import DTYPE_CHOICES, add_model_source_options, at_least, dtype_option, model_source, onnx_outputs, source_inputs
+from flashnorm.tools.options import (
+    DTYPE_CHOICES, FILE_OUTPUT, add_model_source_options, at_least, dtype_option, model_source, onnx_outputs, source_inputs,
+)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_model_source_options(parser)
-    parser.add_argument("-o", "--output", required=True, help="where to write the ONNX model")
+    parser.add_argument("-o", "--output", required=True, help="where to write the ONNX model (and its .data file)"
+                        + FILE_OUTPUT)
     parser.add_argument("--dynamo", action="store_true",
                         help=f"use torch's dynamo exporter (default opset {DEFAULT_OPSET[True]}; emits "
                              f"RMSNormalization) instead of the legacy TorchScript exporter (opset {DEFAULT_OPSET[False]})")

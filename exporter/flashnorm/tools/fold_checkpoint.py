@@ -14,6 +14,7 @@ from flashnorm.quantization_aware import FORMATS
 from flashnorm.paths import Input, Output
 from flashnorm.tools.options import (
     DTYPE_CHOICES,
+    FOLDER_OUTPUT,
     DeprecatedAlias,
     add_model_source_options,
     at_least,
@@ -25,7 +26,7 @@ from flashnorm.tools.options import (
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_model_source_options(parser)
-    parser.add_argument("-o", "--output", required=True, help="the folded checkpoint's directory (missing or empty)")
+    parser.add_argument("-o", "--output", required=True, help="the folded checkpoint's directory" + FOLDER_OUTPUT)
     parser.add_argument("--force", action="store_true", help="replace OUTPUT even if it is a non-empty directory")
     parser.add_argument("--untie", action="store_true",
                         help="give a tied LM head its own folded weight (tie_word_embeddings becomes false); "
@@ -74,6 +75,7 @@ def _check_int8(source: Any, output: str, tokenizer: Any) -> dict[str, Any]:
 
     ids = tokenizer(SAMPLE_TEXT, return_tensors="pt")["input_ids"]
     result = int8_check(load_causal_lm(source), load_causal_lm(resolve_source(output)), ids)
+    result["quantized_layers"] = len(result["layers"])
     result["layers"] = result["layers"][:10]  # the worst ten; every layer over the limit is in layers_over_limit
     return result
 
@@ -100,9 +102,22 @@ def format_text(report: dict[str, Any], verbose: bool = False) -> str:
         q = report["int8"]
         verdict = "within" if q["passed"] else "OVER"
         lines.append(f"int8 weight-only logits error vs float32 original: original {q['original_int8_error']:.4g}, "
-                     f"folded {q['folded_int8_error']:.4g}, ratio {q['ratio']:.3f} ({verdict} the {q['limit']}× limit)")
-        for row in q["layers_over_limit"][:10]:
+                     f"folded {q['folded_int8_error']:.4g}, ratio {q['ratio']:.3f} ({verdict} the check's "
+                     f"{q['limit']}× limit, which judges the logits)")
+        grown = q["layers_over_limit"]
+        if grown:
+            of = f" of {q['quantized_layers']}" if "quantized_layers" in q else ""
+            lines.append(f"  not judged: {len(grown)}{of} quantized layers' own output error grew more than {q['limit']}× "
+                         "(each on its own input), the worst:")
+        for row in grown[:10]:
             lines.append(f"  {row['layer']}: layer output error ×{row['ratio']:.2f} ({row['original_error']:.3g} → {row['folded_error']:.3g})")
-        if len(q["layers_over_limit"]) > 10:
-            lines.append(f"  ... {len(q['layers_over_limit']) - 10} more layers over the limit (--report)")
+        if len(grown) > 10:
+            lines.append(f"  ... and {len(grown) - 10} more such layers (--report lists them)")
     return "\n".join(lines)
+
+
+def verdict(report: dict[str, Any]) -> str:
+    """The one line a failed --check-int8 ends with on stderr."""
+    q = report["int8"]
+    return (f"--check-int8: the folded model's int8 logits error is {q['ratio']:.3f}× the original's, over the "
+            f"{q['limit']}× limit")

@@ -10,12 +10,13 @@ from flashnorm.passes import DEFAULT_PASSES, PASSES, optimize_file
 from flashnorm.quantization_aware import FORMATS
 from flashnorm.paths import Input, Output
 from flashnorm.report import grouped_reasons
-from flashnorm.tools.options import add_quant_limit_option, onnx_inputs, onnx_outputs
+from flashnorm.tools.options import FILE_OUTPUT, add_quant_limit_option, onnx_inputs, onnx_outputs
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model", help="input ONNX model (never modified)")
-    parser.add_argument("-o", "--output", required=True, help="where to write the optimized model")
+    parser.add_argument("-o", "--output", required=True, help="where to write the optimized model (and its .data file)"
+                        + FILE_OUTPUT)
     parser.add_argument("--passes", default=",".join(DEFAULT_PASSES),
                         help=f"comma-separated passes in order (available: {', '.join(PASSES)}; "
                              f"default: {','.join(DEFAULT_PASSES)}); --untie, --for-quantization and --quant-limit "

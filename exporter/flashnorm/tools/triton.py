@@ -21,6 +21,9 @@ from pathlib import Path
 from flashnorm.errors import FlashNormError, require_file
 from flashnorm.paths import Input, Output
 from flashnorm.tools.options import (
+    FOLDER_OUTPUT,
+    INT32_LIMIT,
+    INT64_LIMIT,
     DeprecatedAlias,
     add_plugin_option,
     add_shapes_option,
@@ -51,15 +54,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_shapes_option(source, "--triton-backend tensorrt: the optimization profile the engine was built with (as "
                               "given to `flashnorm build --shapes`), checked against --max-batch-size and the dims; "
                               "read from the engine instead where TensorRT is importable")
-    parser.add_argument("-o", "--output", required=True, metavar="REPO", help="model repository folder to write")
+    parser.add_argument("-o", "--output", required=True, metavar="REPO", help="model repository folder to write" + FOLDER_OUTPUT)
     parser.add_argument("--force", action="store_true", help="replace REPO if it exists and is not empty")
     config = parser.add_argument_group("config.pbtxt")
     config.add_argument("--name", help="model name (default: the model file's name without extension)")
-    config.add_argument("--max-batch-size", type=at_least(0), default=8,
+    config.add_argument("--max-batch-size", type=at_least(0, highest=INT32_LIMIT), default=8,
                         help="Triton max_batch_size; 0 serves the model unbatched (default: 8)")
-    config.add_argument("--max-queue-delay-us", type=at_least(0), default=0,
+    config.add_argument("--max-queue-delay-us", type=at_least(0, highest=INT64_LIMIT), default=0,
                         help="dynamic batching: how long a request may wait for others (default: 0)")
-    config.add_argument("--instances", type=at_least(1), default=1, help="model instances (default: 1)")
+    config.add_argument("--instances", type=at_least(1, highest=INT32_LIMIT), default=1,
+                        help="model instances (default: 1)")
     config.add_argument("--cuda-graphs", action="store_true",
                         help="tensorrt: add optimization { cuda { graphs: true } }")
     config.add_argument("--check-requests", action="store_true",
@@ -68,7 +72,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "disagree, shapes outside --shapes) with HTTP 400 before the engine runs")
     config.add_argument("--outputs", nargs="+", metavar="NAME",
                         help="python: serve only these ONNX outputs (e.g. logits)")
-    config.add_argument("--threads", type=at_least(0), default=0,
+    config.add_argument("--threads", type=at_least(0, highest=INT32_LIMIT), default=0,
                         help="python: ONNX Runtime intra-op threads per instance (default: 0 = its choice)")
     config.add_argument("--providers", default="CPUExecutionProvider",
                         help="python: comma-separated ONNX Runtime providers (default: CPUExecutionProvider)")
@@ -78,6 +82,16 @@ def paths(args: argparse.Namespace) -> tuple[list[Input], list[Output]]:
     read = onnx_inputs("model", args.onnx) + file_inputs("engine", [args.engine])
     read += file_inputs("plugin library", args.plugin)
     return read, [Output("repository", Path(args.output), folder=True)]
+
+
+TENSORRT_RTX_PLAN_MAGIC = b"vtrt"
+"""The first bytes of a TensorRT-RTX plan (every plan TensorRT-RTX 1.7.1 built here); a TensorRT plan
+starts with b"ftrt" (what torch-tensorrt checks for). Triton's TensorRT backend cannot load the former."""
+
+
+def _tensorrt_rtx_plan(path: str) -> bool:
+    with open(path, "rb") as plan:
+        return plan.read(len(TENSORRT_RTX_PLAN_MAGIC)) == TENSORRT_RTX_PLAN_MAGIC
 
 
 def _default_name(path: str) -> str:
@@ -128,14 +142,22 @@ def run(args: argparse.Namespace) -> dict:
             force=args.force,
         )
     else:
-        if not args.engine or not args.plugin:
+        if not args.engine:
             raise FlashNormError("--triton-backend tensorrt needs --engine MODEL.plan and --plugin LIB.so")
+        require_file("engine", args.engine)
+        if _tensorrt_rtx_plan(args.engine):
+            raise FlashNormError(f"{args.engine} is a TensorRT-RTX plan, which Triton's TensorRT backend cannot load (it "
+                                 "runs TensorRT plans only, and TensorRT-RTX has no plugin layers): build the engine with "
+                                 "`flashnorm build --backend tensorrt --plugin LIB.so`, or serve the ONNX with "
+                                 "--triton-backend python")
+        if not args.plugin:
+            raise FlashNormError("--plugin LIB.so is missing: --triton-backend tensorrt copies the FlashNorm plugin "
+                                 "library the engine was built with into the repository")
         if len(args.plugin) > 1:
             raise FlashNormError(f"--triton-backend tensorrt copies one plugin library into the repository, got {len(args.plugin)}")
         plugin = args.plugin[0]
         if args.outputs:
             raise FlashNormError("--outputs applies to --triton-backend python; a TensorRT config declares every engine output")
-        require_file("engine", args.engine)
         require_file("plugin library", plugin)
         signature = _engine_signature(args)
         result = write_engine_repository(
