@@ -43,7 +43,8 @@ from onnx_graphsurgeon.ir.tensor import LazyValues
 from flashnorm import contract
 from flashnorm.match import NormSite, find_norm_sites
 from flashnorm.match.projection import LinearUse, linear_use, post_norm_reason
-from flashnorm.match.queries import constant_value, numpy_dtype, onnx_to_numpy_dtype, producer, stored_dtype_name
+from flashnorm.match.quantized import DequantizedWeight, dequantized_weight, quantized_use
+from flashnorm.match.queries import constant_value, numpy_dtype, producer, stored_dtype_name
 from flashnorm.modelio.values import DerivedValues, stored_values
 from flashnorm.progress import track
 from flashnorm.reference_functions import add_reference_functions
@@ -55,18 +56,6 @@ class NotDeferrable(Exception):
 
 class GainKept(NotDeferrable):
     """The norm still has its gain: defer needs fold to have taken it."""
-
-
-@dataclasses.dataclass(frozen=True)
-class Dequantization:
-    """A weight the graph computes as DequantizeLinear(constant codes, ...), then Cast/Identity."""
-
-    codes: gs.Constant
-    dtype: str
-    """The float type the chain writes ('float32', 'float16', 'bfloat16')."""
-
-    def __str__(self) -> str:
-        return f"DequantizeLinear {stored_dtype_name(self.codes) or 'codes'} → {self.dtype}"
 
 
 @dataclasses.dataclass
@@ -87,8 +76,8 @@ class Projection:
     """The consumer's bias per output column, float64 [N_i] (Gemm's beta·C, or the constant a
     MatMul's Add adds), added by the node after its row scale; None without a bias."""
 
-    dequantized: Optional[Dequantization] = None
-    """How the graph dequantizes the weight; None for a constant."""
+    dequantized: Optional[DequantizedWeight] = None
+    """How the graph dequantizes the weight (DequantizeLinear, then Cast or Identity); None for a constant."""
 
     bias_node: Optional[gs.Node] = None
     """The Add that adds a MatMul's bias and writes `output`; the node takes its place."""
@@ -114,17 +103,15 @@ class Projection:
         return weight.astype(stored.dtype)
 
 
-def _stored_matrix(use: LinearUse, where: str) -> tuple[gs.Tensor, bool, Optional[Dequantization]]:
+def _stored_matrix(use: LinearUse, where: str) -> tuple[gs.Tensor, bool, Optional[DequantizedWeight]]:
     """A weight, whether it is stored [N, K], and how the graph dequantizes it: a weight the
     graph dequantizes is returned as the tensor its chain writes; an initializer as it is (its
     values stay unread); a weight computed otherwise from constants (Constant node, Cast, ...)
     is evaluated into a new in-memory constant."""
     tensor, _, transposed = use.stored_weight(where, NotDeferrable)
-    dequantized = _dequantized_by(tensor)
+    dequantized = dequantized_weight(tensor)
     if dequantized is not None:
-        rank = len(dequantized.codes.shape or ())
-        if rank != 2:
-            raise NotDeferrable(f"{where}: dequantized weight {tensor.name!r} has rank {rank}, not 2")
+        _check_readable(dequantized, where)
         return tensor, transposed, dequantized
     if isinstance(tensor, gs.Constant):
         constant = tensor
@@ -142,66 +129,36 @@ def _stored_matrix(use: LinearUse, where: str) -> tuple[gs.Tensor, bool, Optiona
     return constant, transposed, None
 
 
-# Ops that multiply by a weight they dequantize themselves.
-_QUANTIZED_PROJECTIONS = frozenset({"MatMulNBits", "MatMulInteger", "QLinearMatMul", "MatMulIntegerToFloat",
-                                    "DynamicQuantizeMatMul", "MatMulBnb4", "QGemm"})
-
-
-def _dequantized_by(tensor: gs.Tensor) -> Optional[Dequantization]:
-    """How a DequantizeLinear of constant codes (then Cast/Identity) writes `tensor`; None when
-    something else does. The type written: the tensor's own when known, else the Cast nearest
-    it, else the DequantizeLinear's output_dtype or scale type."""
-    source, cast_to = tensor, ""
-    for _ in range(4):
-        node = producer(source)
-        if node is None:
-            return None
-        if node.op == "DequantizeLinear":
-            codes = node.inputs[0]
-            if not isinstance(codes, gs.Constant):
-                return None
-            output_dtype = int(node.attrs.get("output_dtype", 0))
-            written = onnx_to_numpy_dtype(output_dtype).name if output_dtype else stored_dtype_name(node.inputs[1])
-            return Dequantization(codes, stored_dtype_name(tensor) or cast_to or written)
-        if node.op not in ("Cast", "Identity"):
-            return None
-        if node.op == "Cast" and not cast_to:
-            cast_to = onnx_to_numpy_dtype(int(node.attrs["to"])).name
-        source = node.inputs[0]
-    return None
+def _check_readable(weight: DequantizedWeight, where: str) -> None:
+    """The node reads a dequantized weight as the graph writes it: stored 2-D codes, then at most
+    a change of type (Cast, Identity) before the projection's own Transpose; other chains say why."""
+    name = weight.tensor.name
+    if weight.op.domain:
+        raise NotDeferrable(f"{where}: weight {name!r} is dequantized by {weight.dequantize.op} ({weight.op.domain} "
+                            "domain); defer reads weights ONNX's own dequantizer writes")
+    if weight.quantize is not None:
+        raise NotDeferrable(f"{where}: weight {name!r} is quantized at run time ({weight}); defer reads weights "
+                            "whose codes are stored")
+    others = [n.op for n in weight.between if n.op not in ("Cast", "Identity")]
+    if others:
+        raise NotDeferrable(f"{where}: weight {name!r} is dequantized in the graph ({weight}) through "
+                            f"{', '.join(others)}; defer reads one dequantized through Cast or Identity only")
+    if not isinstance(weight.codes, gs.Constant):
+        raise NotDeferrable(f"{where}: weight {name!r} is dequantized in the graph ({weight}) from codes that are "
+                            "not stored")
+    rank = len(weight.codes.shape or ())
+    if rank != 2:
+        raise NotDeferrable(f"{where}: dequantized weight {name!r} has rank {rank}, not 2")
 
 
 def _quantized_consumer(node: gs.Node, tensor: gs.Tensor) -> Optional[str]:
     """Why `node`, reading `tensor`, keeps the site from deferring because it computes with
-    quantized values, or None. The plugin takes float activations and float weights, so no fold
-    changes this: plan_defer asks it first, and inspect names the quantized sites as such rather
-    than "run fold first" where fold left the gain. A weight the graph dequantizes is a float
-    tensor the node can read (_projection)."""
-    where = f"consumer {node.op} {node.name!r}"
-    if node.op in _QUANTIZED_PROJECTIONS:
-        return f"{where} dequantizes its weight inside the op; the plugin takes float weights (defer does not apply)"
-    if node.op == "QuantizeLinear":
-        return f"{where} quantizes the normalized activation; the plugin reads it in float (defer does not apply)"
-    if node.op == "Mul" and len(node.outputs[0].outputs) == 1:  # a per-channel prescale (AWQ, SmoothQuant)
-        inner = _quantized_projection(node.outputs[0].outputs[0], node.outputs[0])
-        return f"{where} scales the activation in front of a quantized projection: {inner}" if inner else None
-    return None
-
-
-def _quantized_projection(node: gs.Node, tensor: gs.Tensor) -> Optional[str]:
-    """How `node` reading `tensor` computes with quantized values (its own refusal, or its
-    weight dequantized in the graph), or None."""
-    refusal = _quantized_consumer(node, tensor)
-    if refusal:
-        return refusal
-    where = f"consumer {node.op} {node.name!r}"
-    try:
-        use = linear_use(node, tensor, where, NotDeferrable)
-        weight = use.stored_weight(where, NotDeferrable)[0] if use is not None else None
-    except NotDeferrable:
-        return None
-    dequantized = _dequantized_by(weight) if weight is not None else None
-    return f"{where}: weight {weight.name!r} is dequantized in the graph ({dequantized})" if dequantized else None
+    quantized values (the recogniser's reason), or None. The plugin takes float activations and
+    float weights, so no fold changes this: plan_defer asks it first, and inspect names the
+    quantized sites as such rather than "run fold first" where fold left the gain. A weight the
+    graph dequantizes is a float tensor the node can read (_projection)."""
+    use = quantized_use(node, tensor)
+    return use.defer_reason() if use is not None else None
 
 
 def _projection(site: NormSite, node: gs.Node, dtype: str, graph_outputs: frozenset[str]) -> Projection:
@@ -216,7 +173,7 @@ def _projection(site: NormSite, node: gs.Node, dtype: str, graph_outputs: frozen
     alpha = float(node.attrs.get("alpha", 1.0)) if node.op == "Gemm" else 1.0
     if dequantized and alpha != 1.0:
         raise NotDeferrable(f"{where}: Gemm alpha {alpha:g} on a weight dequantized in the graph ({dequantized})")
-    weight_dtype = dequantized.dtype if dequantized else stored_dtype_name(weight)
+    weight_dtype = dequantized.written if dequantized else stored_dtype_name(weight)
     if weight_dtype != dtype:
         raise NotDeferrable(f"{where}: weight dtype {weight_dtype} differs from the activation's {dtype}")
     projection = Projection(node, weight, transposed, alpha, use.output, None, dequantized, use.bias_add)

@@ -10,11 +10,12 @@ from typing import Any
 
 from flashnorm.checkpoint import fold_checkpoint
 from flashnorm.export.sources import load_tokenizer, resolve_source
-from flashnorm.passes.quantization_aware import FORMATS
+from flashnorm.quantization_aware import FORMATS
 from flashnorm.paths import Input, Output
 from flashnorm.tools.options import (
     DTYPE_CHOICES,
     FOLDER_OUTPUT,
+    DeprecatedAlias,
     add_model_source_options,
     at_least,
     dtype_option,
@@ -33,11 +34,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", type=dtype_option("long", allow_auto=True), default="auto", metavar="TYPE",
                         help=f"stored dtype of floating tensors ({DTYPE_CHOICES}, auto; default auto: as stored; "
                              "float32 for GGUF)")
-    parser.add_argument("--int8-limit", type=at_least(1.0, float), metavar="RATIO",
-                        help="for a checkpoint that will be quantized to int8 per channel: leave a norm unfolded "
-                             "where folding is estimated to raise its consumers' int8 error by more than RATIO "
-                             "(each folded site's estimate is in the report; 1.3 kept SmolLM2-135M's measured "
-                             "int8 logits error within 1.1x of the unfolded model's)")
+    parser.add_argument("--int8-limit", type=at_least(1.0, float), metavar="RATIO", action=DeprecatedAlias,
+                        replacement="--for-quantization int8",
+                        why="one selection of the norms to fold before a quantizer, shared with optimize; "
+                            "--int8-limit still works in this release and goes in the next",
+                        help="deprecated (still works in this release, removed in the next): use --for-quantization "
+                             "int8, the one selection optimize shares (SmolLM2-135M, --check-int8: it folds 11 norms "
+                             "at 0.91x the unfolded model's int8 error; --int8-limit 1.3 folds 55 at 1.04x; "
+                             "docs/CHECKPOINTS.md). Leaves a norm unfolded where folding is estimated to raise its "
+                             "consumers' int8 per-channel error by more than RATIO")
+    parser.set_defaults(int8_limit=None)
     parser.add_argument("--for-quantization", metavar="FORMAT", choices=sorted(FORMATS),
                         help="the checkpoint will be quantized after folding: fold only the norms whose fold is "
                              "predicted to keep that quantizer's weight error within 1.5%% (as optimize "
