@@ -8,23 +8,25 @@ its spacing and a column of K elements sums to about 0.3·√K spacings: the nod
 rounding enters").
 
 `round_centred` rounds to nearest, then moves elements of each column to their other neighbouring
-value (the one on the exact value's other side: every element stays within one spacing of its
-exact value) until no single move makes |column sum| smaller; the sum is then zero wherever the
-column has an element of its finest spacing to move the right way (tests/test_rounding.py). A
-move changes the sum by the element's spacing s and the element's error from |e| to s − |e|, so
-the moves are taken among the elements lying nearest the midpoint between their two neighbours:
+value (the one on the exact value's other side: every element stays one of the two representable
+values around its exact one) until no single move brings the column's sum nearer zero; the sum
+is then zero wherever the column has an element of its finest spacing to move the right way
+(tests/test_rounding.py). A move changes the sum by the element's spacing s and the element's
+error from |e| to s − |e|, so moves are taken from the elements lying nearest the midpoint
+between their two neighbours, and only towards zero, never past it while a move that stops short
+is left (past zero, the moves left may all go the old way):
 
 1. Coarse to fine: the elements within δ = 2^-b ≈ 0.75/√K spacings of their midpoint (about 2δ
    of the elements, read off the float64 bits below the type's mantissa; a column needs about
-   0.3·√K moves), spacing by spacing from the largest, per column round(|sum|/s) of them in the
-   direction that shrinks the sum, those within δ/2 first. This leaves |sum| at most half the
-   finest spacing among them.
-2. Finish: every element small enough for its move to shrink |sum| (spacing < 2|sum|) is a
-   candidate, moves already made too (undoing one lowers the error), in rounds of the useful
-   moves (the other sign than the sum, smaller than twice it) nearest their midpoint first,
-   per column the longest run whose spacings add up to at most |sum| (at least the first).
+   0.3·√K moves), spacing by spacing from the largest, per column floor(|sum|/s) of them, those
+   within δ/2 first. This leaves |sum| below the finest spacing among them.
+2. Finish: every element whose spacing s ≤ |sum| (read off its exponent bits), moves already
+   made included (undoing one lowers the error, so undos go first), in rounds nearest the
+   midpoint first, per column the longest run whose spacings add up to at most |sum|; where the
+   sum is still not zero, one move past zero that shrinks |sum| (s < 2|sum|), after which the
+   elements moving the other way are looked for again.
 
-The extra error is a few in ten thousand of the rounding error's L2 norm (tests/test_rounding.py).
+The extra error is below half a per cent of the rounding error's L2 norm (tests/test_rounding.py).
 Float32 weights are rounded to nearest: their column sums add about 0.3·√K·2⁻²⁴·|μ|/σ relative, a
 small share of what the fp32 node's own accumulation over the raw x adds (docs/LAYERNORM.md).
 """
@@ -106,7 +108,6 @@ def _compensate(exact: np.ndarray, rounded: np.ndarray, axis: int) -> None:
         # one past zero that still shrinks |sum| (s < 2|sum|): its sign turns, and the elements
         # moving the other way are looked for again. An element's bracketing spacing s is at least
         # half the spacing of its rounded value, read off its exponent bits.
-        exponent_bits = 15 - mantissa_bits
         with np.errstate(divide="ignore"):
             fits = np.floor(np.log2(2.0 * np.abs(residual))) + 1  # spacing ≤ 2|sum|
         moves = _candidates(exact_columns, rounded_columns, residual, live, axis, np.uint16,
