@@ -186,7 +186,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         else:
             print("\n".join(_text(plain)) if isinstance(plain, (dict, list)) else plain)
     failed = isinstance(report, dict) and report.get("passed") is False
-    return 1 if failed else 0
+    # A report may name its own code (compare --budget's inconclusive verdict: 4).
+    code = report.get("exit_code") if isinstance(report, dict) else None
+    return code if isinstance(code, int) else (1 if failed else 0)
 
 
 if __name__ == "__main__":

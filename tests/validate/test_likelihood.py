@@ -141,3 +141,26 @@ def test_compare_budget_refuses_a_quantized_float_model(trio, capsys):
     fp32, reference, _ = trio
     assert cli.main(["compare", str(reference), str(reference), "--budget", str(reference), "--input-ids", "1,2,3"]) == 2
     assert "is not a float32 model" in capsys.readouterr().err
+
+
+def test_compare_budget_inconclusive_exits_4(trio, tmp_path, capsys):
+    """A line set at the candidate's own ratio: the interval spans it, exit 4, and the report
+    says how much text would settle it; the seed is printed and in the report."""
+    fp32, _, reference = trio  # the worse one: its extra NLL is positive, so there is a ratio
+    coarser = fake_quantized(fp32, tmp_path / "int8.coarser.onnx", scale_factor=1.5, head_factor=3.1)
+    ids = ",".join(map(str, _ids(96)))
+    argv = ["compare", str(reference), str(coarser), "--budget", str(fp32), "--input-ids", ids,
+            "--optimization-level", "basic", "--budget-segment", "8", "--budget-seed", "5"]
+    first = cli.main([*argv, "--budget-ratio", "100", "--report", str(tmp_path / "a.json")])
+    measured = json.loads((tmp_path / "a.json").read_text())["quantized_budget"]
+    assert first == 0 and measured["verdict"] == "within" and measured["bootstrap"]["seed"] == 5
+    interval = measured["interval"]
+    assert interval["statistic"] == "ratio" and interval["segments"] == 12
+    assert interval["low"] < interval["estimate"] < interval["high"]
+    capsys.readouterr()
+    line = f"{interval['estimate']:.6f}"
+    assert cli.main([*argv, "--budget-ratio", line, "--report", str(tmp_path / "b.json")]) == 4
+    out = capsys.readouterr().out
+    report = json.loads((tmp_path / "b.json").read_text())["quantized_budget"]
+    assert report["verdict"] == "inconclusive" and report["exit_code"] == 4 and not report["passed"]
+    assert "INCONCLUSIVE" in out and "seed 5" in out and "exit 4" in out

@@ -55,10 +55,13 @@ def add_model_input_options(parser: argparse.ArgumentParser) -> None:
     given = source.add_mutually_exclusive_group()
     given.add_argument("--text", help="compare on this text, tokenized with the model's tokenizer")
     given.add_argument("--input-ids", metavar="IDS", help="compare on these token ids ('1,2,3')")
-    given.add_argument("--shipped-text", action="store_true",
-                       help="compare on the public-domain text that ships with flashnorm (about 2 000 tokens of "
-                            "English prose): the same positions every run, so a budget's verdict does not vary "
-                            "with a draw")
+    from flashnorm.validate.likelihood import SHIPPED_TEXTS
+
+    given.add_argument("--shipped-text", nargs="?", const="all", choices=[*SHIPPED_TEXTS, "all"], metavar="NAME",
+                       help="compare on the public-domain texts that ship with flashnorm, about 2 000 tokens each: "
+                            + "; ".join(f"{name}: {kind}" for name, (_, kind) in SHIPPED_TEXTS.items())
+                            + " (NAME: one of them; all, or no NAME: every one, each its own feed): the same "
+                              "positions every run, so a budget's verdict does not vary with a draw")
     source.add_argument("--tokenizer", metavar="SOURCE",
                         help="tokenizer for --text: HF directory, .gguf file or model name "
                              "(default: the source recorded by flashnorm export)")
