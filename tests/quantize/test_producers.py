@@ -27,7 +27,8 @@ import quantizers  # noqa: E402
 
 pytest.importorskip("torch")
 PYTHON = quantizers.quantize_python()
-pytestmark = pytest.mark.skipif(PYTHON is None, reason=quantizers.missing_reason())
+# Minutes on two cores (ModelOpt and the builder each start torch): out of the fast loop; CI runs it.
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(PYTHON is None, reason=quantizers.missing_reason())]
 
 IDS = np.random.default_rng(0).integers(3, 384, 96).tolist()
 
