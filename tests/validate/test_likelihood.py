@@ -13,6 +13,7 @@ import pytest
 from onnx import helper, numpy_helper
 
 from flashnorm import cli
+from flashnorm.errors import FlashNormError
 from flashnorm.progress import Progress
 from flashnorm.validate import likelihood
 from flashnorm.validate.runners import make_session
@@ -105,10 +106,23 @@ def test_quantized_ops_are_counted(trio):
     assert likelihood.quantized_ops(reference) == {"DequantizeLinear": 14}  # 7 per layer (the tied head is a Transpose)
 
 
-def test_shipped_text():
-    text = likelihood.shipped_text()
-    assert not text.startswith("#") and "Four score and seven years ago" in text
-    assert 1500 < len(text.split()) < 2000
+def test_shipped_texts():
+    """Four kinds of writing, each about 2 000 SmolLM2 tokens (the counts are in data/README.md;
+    5 800–9 700 characters), each header dropped and nothing else: code lines that start with
+    '#' stay."""
+    texts = {name: likelihood.shipped_text(name) for name in likelihood.SHIPPED_TEXTS}
+    assert set(texts) == {"declaration", "botchan", "midsummer", "sqlite"}
+    assert likelihood.shipped_text() == texts["declaration"] and "Four score and seven years ago" in texts["declaration"]
+    assert texts["botchan"].startswith("CHAPTER I\nBecause of an hereditary recklessness")
+    assert texts["midsummer"].startswith("ACT I") and "THESEUS" in texts["midsummer"]
+    assert texts["sqlite"].startswith("/*\n** 2001-09-15") and "\n#define SQLITE_VERSION " in texts["sqlite"]
+    for name, text in texts.items():
+        assert not text.startswith("#") and "Public domain:" not in text, name
+        assert 5_000 < len(text) < 10_000, (name, len(text))
+    assert likelihood.shipped_text_names(None) == likelihood.shipped_text_names("all") == list(texts)
+    assert likelihood.shipped_text_names("sqlite") == ["sqlite"]
+    with pytest.raises(FlashNormError, match="choose from declaration, botchan, midsummer, sqlite or all"):
+        likelihood.shipped_text_names("hamlet")
 
 
 def test_judge_nll_budget(trio):
