@@ -9,6 +9,7 @@ segments of the text, `flashnorm.validate.bootstrap`).
     python benchmarks/quantized_budget.py --workdir DIR --routes ort-rtn-sym-b32,ort-hqq-b128
     python benchmarks/quantized_budget.py --workdir DIR --quant-limits 0.25,1   # a row per fold limit
     python benchmarks/quantized_budget.py --workdir DIR2 --fp32 DIR/smollm2.onnx --dither --routes ...
+    python benchmarks/quantized_budget.py --tables RUN.json ...           # the docs' tables, markdown
 
 The producers run in the environment `benchmarks/quantizers.py` finds (`--quantize-python`,
 $FLASHNORM_QUANTIZE_VENV, or this Python); ONNX Runtime's own quantizers run in this Python.
@@ -435,8 +436,57 @@ def versions(python: str | None) -> dict[str, Any]:
     return found
 
 
+def _ratio_cell(interval: dict[str, Any] | None) -> str:
+    """'1.019 (0.981–1.060) within', or the candidate's extra NLL in nats where there is no ratio."""
+    if not interval:
+        return "—"
+    high = interval["high"]
+    high_text = f"{high:.3f}" if isinstance(high, (int, float)) and np.isfinite(high) else "∞"
+    if interval["statistic"] == "ratio":
+        text = f"{interval['estimate']:.3f} ({interval['low']:.3f}–{high_text})"
+    else:
+        text = f"{interval['estimate']:+.4f} nats ({interval['low']:+.4f}–{high_text})"
+    verdict = interval["verdict"]
+    return f"{text} **{verdict}**" if verdict != "within" else f"{text} {verdict}"
+
+
+def _sites(row: dict[str, Any]) -> str:
+    fold = row.get("fold") or {}
+    return str(fold["folded"]) if "folded" in fold else ("0" if row["route"] == "unfolded" else "—")
+
+
+def markdown_tables(results: list[dict[str, Any]]) -> str:
+    """The tables of docs/QUANTIZATION.md from one or more JSON results: one row per quantizer and
+    route with the NLL over all texts, the extra NLL, the ratio to the unfolded model with its
+    95 % interval and verdict over all texts, then each text's own ratio, interval and verdict."""
+    names = list(results[0]["texts"])
+    header = ("| quantizer | route | sites folded | NLL | extra NLL | × unfolded extra, all texts (95 % interval), "
+              "verdict | " + " | ".join(names) + " |")
+    lines = [header, "|" + "---|" * (5 + len(names))]
+    for result in results:
+        for row in result["rows"]:
+            if row["route"] == "fp32":
+                if result is results[0]:
+                    per_text = " | ".join(f"NLL {row['text_nll'][n]:.4f}" for n in names)
+                    lines.append(f"| none | fp32 | — | {row['nll']:.4f} | — | — | {per_text} |")
+                continue
+            per_text = " | ".join(_ratio_cell(row.get("text_intervals", {}).get(n)) if row["route"] != "unfolded"
+                                  else f"{row['text_extra_nll'][n]:+.4f}" for n in names)
+            overall = _ratio_cell(row.get("interval")) if row["route"] != "unfolded" else "1 (reference)"
+            lines.append(f"| {row['quantizer']} | {row['route']} | {_sites(row)} | {row['nll']:.4f} | "
+                         f"{row['extra_nll']:+.4f} | {overall} | {per_text} |")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    if argv is None:
+        argv = sys.argv[1:]
+    if argv[:1] == ["--tables"]:  # render the tables of earlier runs' JSON files
+        print(markdown_tables([json.loads(Path(p).read_text()) for p in argv[1:]]))
+        return 0
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                     epilog="python benchmarks/quantized_budget.py --tables RUN.json ... prints the "
+                                            "markdown tables of earlier runs")
     parser.add_argument("--workdir", required=True, type=Path, help="where models are made and cached")
     parser.add_argument("--routes", default=",".join(DEFAULT_ROUTES), help=f"comma-separated, from {', '.join(ROUTES)}")
     parser.add_argument("--quant-limits", default=None,
