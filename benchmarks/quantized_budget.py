@@ -76,6 +76,7 @@ STATIC_MODES: dict[str, tuple[list[str], str | None]] = {
 ROUTES = ("modelopt-int4-rtn", "modelopt-int4-awq", "genai-int4", *ORT_NBITS, "ort-int8-dynamic", "ort-int8-static",
           "modelopt-int8", "modelopt-fp8")
 DEFAULT_ROUTES = ("modelopt-int4-rtn", "genai-int4", *ORT_NBITS)
+ROWS = ("unfolded", "fold-before", "selective")
 
 
 def flashnorm(*args: str) -> dict[str, Any]:
@@ -121,8 +122,9 @@ def fold_summary(report: dict[str, Any]) -> dict[str, Any]:
 
 class Bench:
     def __init__(self, workdir: Path, python: str | None, window: int, greedy: int,
-                 quant_limits: list[float]) -> None:
+                 quant_limits: list[float], routes: tuple[str, ...] = ROWS) -> None:
         self.dir = workdir
+        self.wanted = routes
         self.python = python
         self.window = window
         self.greedy = greedy
@@ -297,8 +299,10 @@ class Bench:
         where None: no `--for-quantization` format models that quantizer): files, and what each fold did."""
         fold = self.dir / "smollm2.fold.onnx"
         sources = {"unfolded": fp32, "fold-before": fold}
-        folds = {"fold-before": self.folded(fold, "optimize", str(fp32), "-o", str(fold), "--passes", "fold")}
-        if quantization is not None:
+        folds = {}
+        if "fold-before" in self.wanted:
+            folds["fold-before"] = self.folded(fold, "optimize", str(fp32), "-o", str(fold), "--passes", "fold")
+        if quantization is not None and "selective" in self.wanted:
             selective = sources["selective"] = self.dir / f"smollm2.select-{quantization}.onnx"
             folds["selective"] = self.folded(selective, "optimize", str(fp32), "-o", str(selective), "--passes", "fold",
                                              "--for-quantization", quantization)
@@ -310,6 +314,8 @@ class Bench:
         selectively folded fp32 models, each measured; the unfolded one folded afterwards too."""
         sources, folds = self.float_sources(fp32, quantization)
         for route, source in sources.items():
+            if route not in self.wanted:
+                continue
             stem = "smollm2" if route == "unfolded" else source.stem
             out = self.dir / f"{stem}.{name}.onnx"
             how = self.made(out, lambda: make(source, out))
@@ -352,10 +358,15 @@ class Bench:
         hf = self.dir / "smollm2-hf"
         self.made(hf, lambda: _smollm2_hf(hf))
         folded, selective = self.dir / "smollm2-hf-folded", self.dir / "smollm2-hf-select"
-        folds = {"fold-before": self.folded(folded, "fold-checkpoint", str(hf), "-o", str(folded)),
-                 "selective": self.folded(selective, "fold-checkpoint", str(hf), "-o", str(selective),
-                                          "--for-quantization", "int4-b32")}
+        folds = {}
+        if "fold-before" in self.wanted:
+            folds["fold-before"] = self.folded(folded, "fold-checkpoint", str(hf), "-o", str(folded))
+        if "selective" in self.wanted:
+            folds["selective"] = self.folded(selective, "fold-checkpoint", str(hf), "-o", str(selective),
+                                             "--for-quantization", "int4-b32")
         for route, source in (("unfolded", hf), ("fold-before", folded), ("selective", selective)):
+            if route not in self.wanted:
+                continue
             out = self.dir / f"{source.name}.{name}"
             how = self.made(out / "model.onnx", lambda: quantizers.genai_builder(self.python, source, out))
             extra: dict[str, Any] = {"fold": folds[route]} if route in folds else {}
@@ -489,6 +500,9 @@ def main(argv: list[str] | None = None) -> int:
                                             "markdown tables of earlier runs")
     parser.add_argument("--workdir", required=True, type=Path, help="where models are made and cached")
     parser.add_argument("--routes", default=",".join(DEFAULT_ROUTES), help=f"comma-separated, from {', '.join(ROUTES)}")
+    parser.add_argument("--rows", default=",".join(ROWS),
+                        help=f"which float models each quantizer runs on, from {', '.join(ROWS)} (default all; "
+                             "unfolded is every other row's reference and always made)")
     parser.add_argument("--quant-limits", default=None,
                         help="comma-separated `optimize --quant-limit` values: one quantized-then-folded row per "
                              "quantizer and value (default: the pass's default limit; \"\" for none)")
@@ -518,7 +532,10 @@ def main(argv: list[str] | None = None) -> int:
     if python is None and needs_python:
         parser.error(f"{', '.join(needs_python)}: {quantizers.missing_reason()}")
     args.workdir.mkdir(parents=True, exist_ok=True)
-    bench = Bench(args.workdir, python, args.window, args.greedy, limits)
+    rows = tuple(r.strip() for r in args.rows.split(",") if r.strip())
+    if set(rows) - set(ROWS):
+        parser.error(f"unknown rows {sorted(set(rows) - set(ROWS))}; choose from {', '.join(ROWS)}")
+    bench = Bench(args.workdir, python, args.window, args.greedy, limits, ("unfolded", *rows))
     started = time.monotonic()
     fp32 = bench.fp32(args.fp32, args.dither)
     for route in routes:

@@ -58,7 +58,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "FP32_MODEL is the fp32 export of the same model; per output the candidate's rel L2 "
                              "error against it at most --budget-ratio times the reference's, and for logits its "
                              "top-1 agreement at most --budget-top1-points lower (docs/HALF_PRECISION.md). A "
-                             "quantized pair is judged by its NLL on a text instead: the candidate's extra NLL over "
+                             "quantized pair is judged by its NLL on real text instead: the candidate's extra NLL over "
                              "FP32_MODEL at most --budget-ratio times the reference's, or +0.002 nats where the "
                              "reference's is ≤ 0, judged by the ratio's 95 %% interval (docs/QUANTIZATION.md): exit "
                              "0 within (the interval under the line), 1 over (above it), 4 inconclusive (it spans "
