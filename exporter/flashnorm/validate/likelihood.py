@@ -377,8 +377,10 @@ def format_nll_budget(report: dict[str, Any]) -> str:
         f"  (paired bootstrap over segments of {draws['segment_tokens']} tokens, {draws['resamples']} resamples, "
         f"seed {draws['seed']})",
     ]
+    if report["text_intervals"]:
+        lines.append("  each text alone (reported, not judged):")
     for name, result in report["text_intervals"].items():
-        lines.append(f"  {name} ({result['tokens']} tokens): {bootstrap.describe(result)}")
+        lines.append(f"    {name} ({result['tokens']} tokens): {bootstrap.describe(result)}")
     lines += [
         f"  greedy {len(report['candidate_greedy'])} tokens: candidate agrees with the float model for "
         f"{report['candidate_agrees_with_float']}, with the reference for {report['candidate_agrees_with_reference']} "
