@@ -25,6 +25,10 @@ Variants (one step each, all in a CUDA graph, so launch gaps are not measured):
   compile+fold     torch.compile of the folded model without the library: h = h + delta, the
                    weightless norm x ⊙ rsqrt(mean(x²)+eps), rounded to bf16, then x̂ @ W*
                    (Proposition 1 alone; Inductor fuses the add and the norm into one kernel)
+  compile+norm-free  torch.compile of the model with every norm deleted (h = h + delta, then h @ W*):
+                   the ceiling, what the step would cost if the norms cost nothing; its logits are
+                   not the model's (reported, not judged), so the tables can say what share of the
+                   norms' cost each FlashNorm variant recovers
 The layer is one function, compiled once per shape and called for every layer with that layer's
 weights (shapes, not identities, are guarded), so compile time does not grow with depth.
 
@@ -92,9 +96,12 @@ MODELS = {
     "llama-3.2-1b": Config("Llama-3.2-1B", 2048, 8192, 16, 32, 8, 128256, 500000.0),
 }
 TINY = Config("tiny", 64, 128, 2, 4, 2, 256, 10000.0)
-VARIANTS = ("eager", "eager+flashnorm", "compile", "compile+flashnorm", "compile+flashnorm-matmul", "compile+fold")
+VARIANTS = ("eager", "eager+flashnorm", "compile", "compile+flashnorm", "compile+flashnorm-matmul", "compile+fold",
+            "compile+norm-free")
 # How a residual add + norm→projection site is computed (see the docstring).
-SITES = ("norm", "flashnorm", "flashnorm-matmul", "fold")
+SITES = ("norm", "flashnorm", "flashnorm-matmul", "fold", "norm-free")
+# The variant whose logits are not the model's: the norms deleted (the ceiling).
+NORM_FREE = "norm-free"
 CACHE = 1024
 DECODE_POSITION = 512
 # (label, batch, tokens per sequence, first position)
@@ -182,6 +189,8 @@ def make_site(sites: str, size: int, eps: float) -> Callable[..., tuple[torch.Te
             h32 = h.float()
             normalized = (h32 * torch.rsqrt(h32.pow(2).mean(dim=-1, keepdim=True) + eps)).to(h.dtype)
             return h, list((normalized @ w).split(splits, dim=-1))
+        if sites == NORM_FREE:
+            return h, list((h @ w).split(splits, dim=-1))
         return h, list((F.rms_norm(h, (size,), gain, eps) @ w).split(splits, dim=-1))
 
     return site

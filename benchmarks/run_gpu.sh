@@ -5,6 +5,10 @@
 # plugins/flashnorm/tests/run_gpu.sh's job: one runner selects them by marker.
 # Everything lands under $OUT: summary.txt  build.log  bench.log  kernels.md  kernels.json
 # Usage on the device: bash benchmarks/run_gpu.sh [--bench-args "..."]
+#        bash benchmarks/run_gpu.sh --layernorm
+#   --layernorm: issue 48's tables instead: the kernel benchmark's LayerNorm sites (--norm layer)
+#   and the ViT-B/16 encoder forward (benchmarks/encoder_step.py); under $OUT also encoder.log
+#   encoder_step.md encoder_step.json.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/out}
@@ -15,8 +19,10 @@ SUMMARY="$OUT/summary.txt"
 say() { echo "$*" | tee -a "$SUMMARY"; }
 
 bench_args=()
+layernorm=0
 while [ $# -gt 0 ]; do
   case "$1" in
+    --layernorm) layernorm=1 ;;
     --bench-args) read -r -a bench_args <<<"$2"; shift ;;
     *) echo "unknown argument $1" >&2; exit 2 ;;
   esac
@@ -41,6 +47,20 @@ say "build: rc=$rc ($((SECONDS - started)) s)"
 if [ "$rc" -ne 0 ]; then
   tail -n 40 "$OUT/build.log"
   exit 1
+fi
+
+if [ "$layernorm" -eq 1 ]; then  # issue 48: the LayerNorm kernel tables and the encoder forward
+  started=$SECONDS
+  FLASHNORM_LIBRARY="$PWD/build/plugins/flashnorm/libflashnorm.so" timeout "${BENCH_TIMEOUT:-200}" \
+    python3 benchmarks/kernel_benchmark.py --out "$OUT" --norm layer >"$OUT/bench.log" 2>&1
+  say "kernel benchmark, LayerNorm sites: rc=$? ($((SECONDS - started)) s)"
+  started=$SECONDS
+  FLASHNORM_LIBRARY="$PWD/build/plugins/flashnorm/libflashnorm.so" timeout "${ENCODER_TIMEOUT:-240}" \
+    python3 benchmarks/encoder_step.py --out "$OUT" >"$OUT/encoder.log" 2>&1
+  say "encoder forward: rc=$? ($((SECONDS - started)) s)"
+  [ -f "$OUT/kernels.md" ] && grep -E "^- " "$OUT/kernels.md" | tee -a "$SUMMARY"
+  [ -f "$OUT/encoder_step.md" ] && tail -n 16 "$OUT/encoder_step.md" | tee -a "$SUMMARY"
+  exit 0
 fi
 
 started=$SECONDS

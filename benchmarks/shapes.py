@@ -1,6 +1,8 @@
 """Norm→projection sites of real models, shared by the kernel benchmark and its tests.
 
-Each site is one FlashNorm call: x [M, K] → outputs [M, N_i], N = sum of the splits.
+Each site is one FlashNorm call: x [M, K] → outputs [M, N_i], N = sum of the splits. RMSNorm sites
+(decoders: decode and prefill rows) and LayerNorm sites (pre-LN encoders: M = batch × tokens, the
+model's token count fixed), the latter timed in the library's LayerNorm mode with a bias.
 """
 
 from __future__ import annotations
@@ -14,6 +16,13 @@ class Site:
     name: str  # which projections share the norm
     k: int
     splits: tuple[int, ...]
+    norm: str = "rms"  # "rms" (RMSNorm) or "layer" (LayerNorm: the variance statistic and a bias)
+    rows: tuple[int, ...] = ()  # the M to time where the model fixes them (batch × tokens); else TOKEN_COUNTS
+
+    @property
+    def statistic(self) -> str:
+        """The library's statistic for this site's norm."""
+        return "variance" if self.norm == "layer" else "rms"
 
     @property
     def n(self) -> int:
@@ -37,6 +46,19 @@ SITES: tuple[Site, ...] = (
     # Llama-3.1-8B: hidden 4096, 32 heads / 8 KV heads of 128, intermediate 14336.
     Site("Llama-3.1-8B", "qkv", 4096, (4096, 1024, 1024)),
     Site("Llama-3.1-8B", "gate/up", 4096, (14336, 14336)),
+)
+
+# Pre-LN encoders' LayerNorm→projection sites; M = batch × tokens. ViT-B/16 (224², 196 patches + class
+# token = 197 tokens; hidden 768, 12 heads, MLP 3072) at batch 1, 8, 64, and the Whisper-small encoder
+# (1500 frames of 30 s audio; the same hidden 768 and MLP 3072, so the same site) at batch 1 and 10;
+# CLIP ViT-L/14 (224², 256 patches + 1 = 257 tokens; hidden 1024, 16 heads, MLP 4096) at batch 1, 8, 63
+# (16 191 rows: the largest batch within 16 384).
+ENCODER_ROWS = (197, 1500, 1576, 12608, 15000)
+LN_SITES: tuple[Site, ...] = (
+    Site("ViT-B/16, Whisper-small enc.", "qkv", 768, (768, 768, 768), "layer", ENCODER_ROWS),
+    Site("ViT-B/16, Whisper-small enc.", "fc1", 768, (3072,), "layer", ENCODER_ROWS),
+    Site("CLIP ViT-L/14", "qkv", 1024, (1024, 1024, 1024), "layer", (257, 2056, 16191)),
+    Site("CLIP ViT-L/14", "fc1", 1024, (4096,), "layer", (257, 2056, 16191)),
 )
 
 TOKEN_COUNTS: tuple[int, ...] = (1, 4, 16, 64, 256, 1024, 4096)

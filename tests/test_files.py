@@ -1,4 +1,4 @@
-"""flashnorm.files: staged writes (fsync, rename, old file moved aside) for every writer."""
+"""flashnorm.files: staged writes (fsync, rename; a model and its data file replaced as one pair) for every writer."""
 
 from __future__ import annotations
 
@@ -44,34 +44,77 @@ def test_missing_directory_is_one_line(tmp_path):
             pass
 
 
-def test_commit_together_sets_the_last_file_aside_and_restores_it(tmp_path, monkeypatch):
-    """A failed first rename puts the old model back; nothing temporary stays behind."""
-    model, data = tmp_path / "m.onnx", tmp_path / "m.onnx.data"
-    model.write_bytes(b"old model")
-    data.write_bytes(b"old data")
-    staged = [files.StagedFile(data), files.StagedFile(model)]
-    for file, content in zip(staged, (b"new data", b"new model")):
-        os.write(file.fd, content)
-    real_commit = files.StagedFile.commit
+def _stage(path: Path, content: bytes) -> files.StagedFile:
+    staged = files.StagedFile(path)
+    os.write(staged.fd, content)
+    return staged
 
-    def fail_first(self):
-        if self is staged[0]:
+
+def _model_naming(version: str):
+    return lambda location: f"{version} {location}".encode()
+
+
+def _pair(model: Path) -> str:
+    """The version of the model at `model`, checked to read the data of that same version."""
+    version, location = model.read_text().split(" ", 1)
+    assert (model.parent / location).read_text() == f"data {version}", (version, location)
+    return version
+
+
+def test_commit_with_data_takes_the_usual_name_when_it_is_free(tmp_path):
+    model = tmp_path / "m.onnx"
+    assert files.commit_with_data(_stage(tmp_path / "m.onnx.data", b"data new"), model, _model_naming("new")) \
+        == tmp_path / "m.onnx.data"
+    assert _pair(model) == "new" and model.read_text() == "new m.onnx.data"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m.onnx", "m.onnx.data"]
+
+
+def test_commit_with_data_replaces_a_pair_under_a_new_name_and_removes_the_old_data(tmp_path):
+    model, usual = tmp_path / "m.onnx", tmp_path / "m.onnx.data"
+    files.commit_with_data(_stage(usual, b"data old"), model, _model_naming("old"))
+    (tmp_path / "weights.bin").write_text("a user's file the old model also names")
+    target = files.commit_with_data(_stage(usual, b"data new"), model, _model_naming("new"),
+                                    old_data=[usual, tmp_path / "weights.bin"])
+    assert target != usual and target.name.startswith("m.onnx.") and target.name.endswith(".data")
+    assert _pair(model) == "new"
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["m.onnx", target.name, "weights.bin"])
+    again = files.commit_with_data(_stage(usual, b"data newer"), model, _model_naming("newer"), old_data=[target])
+    assert again == usual and _pair(model) == "newer"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m.onnx", "m.onnx.data", "weights.bin"]
+
+
+def test_commit_with_data_never_removes_a_file_it_is_told_to_keep(tmp_path):
+    model, usual = tmp_path / "m.onnx", tmp_path / "m.onnx.data"
+    files.commit_with_data(_stage(usual, b"data old"), model, _model_naming("old"))
+    files.commit_with_data(_stage(usual, b"data new"), model, _model_naming("new"), old_data=[usual], keep=[usual])
+    assert _pair(model) == "new" and usual.read_text() == "data old"
+
+
+def test_commit_with_data_failing_before_the_switch_leaves_the_old_pair(tmp_path, monkeypatch):
+    """A failure at the new model's rename: the old pair as it was, no new file left."""
+    model, usual = tmp_path / "m.onnx", tmp_path / "m.onnx.data"
+    files.commit_with_data(_stage(usual, b"data old"), model, _model_naming("old"))
+    real_replace = os.replace
+
+    def replace(source, destination):
+        if Path(destination) == model:
             raise OSError(5, "Input/output error")
-        real_commit(self)
+        real_replace(source, destination)
 
-    monkeypatch.setattr(files.StagedFile, "commit", fail_first)
+    monkeypatch.setattr(os, "replace", replace)
     with pytest.raises(OSError):
-        files.commit_together(staged)
-    assert (model.read_bytes(), data.read_bytes()) == (b"old model", b"old data")
-    assert _leftovers(tmp_path) == []
+        files.commit_with_data(_stage(usual, b"data new"), model, _model_naming("new"), old_data=[usual])
+    assert _pair(model) == "old"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m.onnx", "m.onnx.data"]
 
 
 def test_adopted_file_is_renamed_into_place(tmp_path):
     scratch = tmp_path / ".scratch"
     scratch.mkdir()
-    (scratch / "m.onnx").write_bytes(b"written elsewhere")
-    files.commit_together([files.StagedFile(tmp_path / "m.onnx", scratch / "m.onnx")])
-    assert (tmp_path / "m.onnx").read_bytes() == b"written elsewhere"
+    (scratch / "m.onnx.data").write_bytes(b"data new")
+    files.commit_with_data(files.StagedFile(tmp_path / "m.onnx.data", scratch / "m.onnx.data"), tmp_path / "m.onnx",
+                           _model_naming("new"))
+    assert _pair(tmp_path / "m.onnx") == "new"
     assert list(scratch.iterdir()) == []
 
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
+import time
 from pathlib import Path
 
 import numpy as np
@@ -261,42 +263,119 @@ def test_failed_save_leaves_previous_files_untouched(external_model, monkeypatch
     np.testing.assert_array_equal(_constant(modelio.load(out), "w_up").values, up.values)
 
 
-def _fail_commit(monkeypatch, failing_call: int) -> None:
-    """Make the `failing_call`-th rename into place (1: data file, 2: model file) fail."""
-    calls = {"n": 0}
-    real_commit = files.StagedFile.commit
-
-    def commit(self):
-        calls["n"] += 1
-        if calls["n"] == failing_call:
-            raise OSError(5, "Input/output error")
-        real_commit(self)
-
-    monkeypatch.setattr(files.StagedFile, "commit", commit)
+def _pair_at(out: Path) -> dict[str, np.ndarray]:
+    """The weights the model at `out` reads, through onnx's own loader: a model whose data file
+    is missing or too short fails here."""
+    return {t.name: numpy_helper.to_array(t) for t in onnx.load(str(out)).graph.initializer}
 
 
-def test_failure_between_the_two_renames_leaves_no_model_reading_the_new_data(external_model, monkeypatch):
-    """Once the new data file is in place, the old model beside it would read it at its old
-    offsets: a failure before the model's rename must not leave that pair behind."""
+def _same(weights: dict[str, np.ndarray], expected: dict[str, np.ndarray]) -> bool:
+    return weights.keys() == expected.keys() and all(np.array_equal(weights[k], expected[k]) for k in weights)
+
+
+# Every file-system step of `files.commit_with_data` and the staged writes it makes.
+_COMMIT_STEPS = ("replace", "link", "unlink", "fsync")
+
+
+def _count_steps(monkeypatch, on_step) -> None:
+    """Call `on_step(name)` after each file-system step; it may raise to make the next one fail."""
+    for name in _COMMIT_STEPS:
+        real = getattr(os, name)
+
+        def step(*args, _real=real, _name=name, **kwargs):
+            on_step(_name, before=True)
+            result = _real(*args, **kwargs)
+            on_step(_name, before=False)
+            return result
+
+        monkeypatch.setattr(os, name, step)
+
+
+def test_replacing_a_model_and_its_data_keeps_a_complete_pair_at_every_step(external_model, monkeypatch):
+    """Saving over an earlier output: after every rename, link, unlink and fsync, the model at
+    the destination reads either all the old weights or all the new ones (a SIGKILL at any
+    instant leaves one pair), and one data file is left: the new one."""
     graph, out, up = _saved_copy_then_changed(external_model)
-    _fail_commit(monkeypatch, failing_call=2)
-    with pytest.raises(OSError):
-        modelio.save(graph, out)
-    assert not out.exists()
-    assert _leftovers(out.parent) == []
-    monkeypatch.undo()
+    old, new_up = _pair_at(out), np.array(up.values)
+    states: list[str] = []
+
+    def observe(name, before):
+        if not before:
+            weights = _pair_at(out)
+            states.append("old" if _same(weights, old) else "new")
+            assert states[-1] == "old" or np.array_equal(weights["w_up"], new_up), (name, len(states))
+
+    _count_steps(monkeypatch, observe)
     modelio.save(graph, out)
-    np.testing.assert_array_equal(_constant(modelio.load(out), "w_up").values, up.values)
+    monkeypatch.undo()
+    assert "old" in states and states[-1] == "new"
+    assert states == sorted(states, key=["old", "new"].index), "never back to the old pair once switched"
+    # The earlier data file's name was taken: the new one has its own, and the earlier one went.
+    names = sorted(p.name for p in out.parent.iterdir())
+    assert names[:2] == ["model.onnx", "out.onnx"] and names[3:] == ["weights.bin"], names
+    assert re.fullmatch(r"out\.onnx\.[a-z0-9_]{8}\.data", names[2]), names
+    np.testing.assert_array_equal(_pair_at(out)["w_up"], up.values)
+    modelio.save(graph, out)  # and the next save over it takes the usual name again
+    assert sorted(p.name for p in out.parent.iterdir()) == ["model.onnx", "out.onnx", "out.onnx.data", "weights.bin"]
 
 
-def test_failed_data_rename_puts_the_previous_model_back(external_model, monkeypatch):
-    graph, out, _ = _saved_copy_then_changed(external_model)
-    before = (_digest(out), _digest(out.with_name("out.onnx.data")))
-    _fail_commit(monkeypatch, failing_call=1)
-    with pytest.raises(OSError):
-        modelio.save(graph, out)
-    assert (_digest(out), _digest(out.with_name("out.onnx.data"))) == before
-    assert _leftovers(out.parent) == []
+def test_a_failure_at_any_step_leaves_the_old_pair_or_the_new_one(external_model, tmp_path, monkeypatch):
+    """Failure injection at each step of a save over an earlier output: a save that raises
+    leaves the old model and data exactly as they were and no file of its own; one that
+    returns leaves the new pair and no other data file."""
+    source, _ = external_model
+
+    def fresh(run: str):
+        folder = tmp_path / run
+        folder.mkdir()
+        for name in ("model.onnx", "weights.bin"):
+            (folder / name).write_bytes((source.parent / name).read_bytes())
+        return _saved_copy_then_changed((folder / "model.onnx", None))
+
+    steps: list[str] = []
+    graph, out, _ = fresh("count")
+    _count_steps(monkeypatch, lambda name, before: before and steps.append(name))
+    modelio.save(graph, out)  # one clean run: which steps there are
+    monkeypatch.undo()
+    assert {"fsync", "replace", "unlink"} <= set(steps), steps
+    for failing in range(1, len(steps) + 1):
+        graph, out, up = fresh(f"fail{failing}")
+        before = {p.name: _digest(p) for p in out.parent.iterdir()}
+        count = {"n": 0}
+
+        def fail(name, before, failing=failing):
+            if before:
+                count["n"] += 1
+                if count["n"] == failing:
+                    raise OSError(5, "Input/output error")
+
+        _count_steps(monkeypatch, fail)
+        try:
+            modelio.save(graph, out)
+            raised = False
+        except OSError:
+            raised = True
+        monkeypatch.undo()
+        if raised:
+            assert {p.name: _digest(p) for p in out.parent.iterdir()} == before, steps[failing - 1]
+        else:
+            np.testing.assert_array_equal(_pair_at(out)["w_up"], up.values)
+            data = [p.name for p in out.parent.iterdir() if p.name.startswith("out.onnx.")]
+            assert len(data) == 1 and _leftovers(out.parent) == [], (steps[failing - 1], data)
+
+
+def test_exported_models_replace_an_earlier_output_as_one_pair(tmp_path, rng, monkeypatch):
+    """export's writer (onnx.save_model's files, adopted) goes through the same commit: the
+    second export over the first leaves the new model reading the new data, one data file."""
+    from flashnorm.export import onnx_export
+
+    monkeypatch.setattr(onnx_export, "EXTERNAL_DATA_THRESHOLD", 0)
+    out = tmp_path / "m.onnx"
+    for weights in (_weights(rng), _weights(rng)):
+        onnx_export.save_model(_model(weights), out)
+        assert _same({k: v for k, v in _pair_at(out).items() if k != "eps"}, weights)
+        assert len([p for p in tmp_path.iterdir() if p.name.endswith(".data")]) == 1
+    assert _leftovers(tmp_path) == [] and not any(p.name.startswith(".flashnorm-save-") for p in tmp_path.iterdir())
 
 
 def test_inline_models_stay_inline_and_round_trip(tmp_path, rng):
@@ -610,6 +689,118 @@ def test_external_data_must_stay_beside_the_model(tmp_path, location):
     _assert_one_line(excinfo, location, "relative path")
 
 
+def _external_weight(tmp_path: Path, location: str = "w.bin", **entries: str) -> Path:
+    """model/escape.onnx whose weight W is 64 bytes at `location` (w.bin written beside it)."""
+    folder = tmp_path / "model"
+    folder.mkdir(exist_ok=True)
+    (folder / "w.bin").write_bytes(np.arange(16, dtype=np.float32).tobytes())
+    weight = TensorProto(name="W", dims=[4, 4], data_type=TensorProto.FLOAT, data_location=TensorProto.EXTERNAL)
+    weight.external_data.add(key="location", value=location)
+    for key, value in entries.items():
+        weight.external_data.add(key=key, value=value)
+    path = folder / "escape.onnx"
+    path.write_bytes(_single_matmul(weight).SerializeToString())
+    return path
+
+
+def test_external_data_may_not_leave_the_folder_through_a_symlink(tmp_path):
+    """As ONNX Runtime decides: the location resolved, symlinks included, stays in the folder."""
+    path = _external_weight(tmp_path, "link.bin")
+    os.symlink("w.bin", path.with_name("link.bin"))  # inside: fine
+    np.testing.assert_array_equal(_constant(modelio.load(path), "W").values.reshape(-1), np.arange(16))
+    (tmp_path / "outside.bin").write_bytes(path.with_name("w.bin").read_bytes())
+    path.with_name("link.bin").unlink()
+    os.symlink("../outside.bin", path.with_name("link.bin"))
+    for read in (modelio.load, modelio.external_data_files):
+        with pytest.raises(FlashNormError) as excinfo:
+            read(path)
+        _assert_one_line(excinfo, "'link.bin'", "through a symbolic link", str(tmp_path / "outside.bin"))
+
+
+@pytest.mark.parametrize("entries, why", [
+    ({"location": "w\x00.bin"}, "NUL byte"),
+    ({"offset": "+0"}, "malformed external data offset"),
+    ({"offset": "1_0"}, "malformed external data offset"),
+    ({"length": "\u0666\u0664"}, "malformed external data offset"),  # Arabic-Indic digits: int() takes them
+    ({"offset": str(1 << 70)}, "truncated"),
+])
+def test_external_data_entries_are_read_strictly(tmp_path, entries, why):
+    entries = dict(entries)
+    path = _external_weight(tmp_path, entries.pop("location", "w.bin"), **entries)
+    for read in (modelio.load, modelio.external_data_files):
+        with pytest.raises(FlashNormError) as excinfo:
+            read(path)
+        _assert_one_line(excinfo, why)
+
+
+def test_a_negative_dimension_is_refused(tmp_path):
+    path = _external_weight(tmp_path)
+    model = onnx.load(str(path), load_external_data=False)
+    del model.graph.initializer[0].dims[:]
+    model.graph.initializer[0].dims.extend([-4, -4])
+    path.write_bytes(model.SerializeToString())
+    with pytest.raises(FlashNormError) as excinfo:
+        modelio.external_data_files(path)
+    _assert_one_line(excinfo, "negative dimension")
+
+
+def test_a_sparse_file_of_zeros_is_refused_at_once(tmp_path):
+    """Protobuf's field number 0 does not exist: refused at the second byte, not parsed as a
+    1 GiB run of empty fields (about 45 minutes at the rate the walk reads them)."""
+    path = tmp_path / "zeros.onnx"
+    with open(path, "wb") as handle:
+        handle.truncate(1 << 30)
+    started = time.monotonic()
+    with pytest.raises(FlashNormError) as excinfo:
+        modelio.read_interface(path)
+    _assert_one_line(excinfo, "not an ONNX model", "field number 0")
+    assert time.monotonic() - started < 1
+    with open(path, "wb") as handle:
+        handle.truncate(wire.PROTOBUF_LIMIT)
+    with pytest.raises(FlashNormError) as excinfo:
+        modelio.load(path)
+    _assert_one_line(excinfo, "over protobuf's 2 GiB limit")
+
+
+@pytest.mark.parametrize("content, why", [
+    (wire.varint(7 << 3 | 2) + wire.varint(1 << 60), "runs past"),  # a graph longer than the file: nothing allocated
+    (wire.varint(8 << 3 | 2) + wire.varint(1 << 40) + b"x", "runs past"),
+    (b"\x08" + b"\xff" * 11, "varint too long"),
+    (wire.varint(1 << 3 | 3), "unsupported wire type 3"),
+])
+def test_lengths_are_checked_against_the_file_before_reading(tmp_path, content, why):
+    path = tmp_path / "framing.onnx"
+    path.write_bytes(content)
+    with pytest.raises(FlashNormError) as excinfo:
+        modelio.load(path)
+    _assert_one_line(excinfo, "not an ONNX model", why)
+
+
+def test_a_model_of_countless_tiny_fields_is_refused(tmp_path, monkeypatch):
+    """Legal protobuf (ir_version, again and again), but more fields than any model has: the
+    walk stops at the limit instead of running for as long as the file lasts."""
+    monkeypatch.setattr(wire, "MAX_MODEL_FIELDS", 1000)
+    monkeypatch.setattr(wire, "MAX_GRAPH_FIELDS", 1000)
+    path = tmp_path / "fields.onnx"
+    path.write_bytes(b"\x08\x01" * 1001)
+    with pytest.raises(FlashNormError) as excinfo:
+        modelio.load(path)
+    _assert_one_line(excinfo, "more than 1000 fields in the model")
+    nodes = b"\x0a\x00" * 1001  # empty nodes
+    path.write_bytes(wire.MODEL_GRAPH_KEY + wire.varint(len(nodes)) + nodes)
+    with pytest.raises(FlashNormError) as excinfo:
+        modelio.read_interface(path)
+    _assert_one_line(excinfo, "more than 1000 fields in the graph")
+
+
+def test_fields_onnx_does_not_define_are_skipped_unread(tmp_path, rng):
+    model = _model(_weights(rng))
+    unknown = wire.varint(99 << 3 | 2) + wire.varint(3) + b"abc"
+    path = tmp_path / "unknown.onnx"
+    path.write_bytes(unknown + model.SerializeToString())
+    assert loading._parse_model(loading._open_model(path)) == model
+
+
 def test_refuses_to_replace_data_a_derived_tensor_reads(tmp_path, rng):
     source = tmp_path / "a.onnx"
     weight = numpy_helper.from_array(rng.standard_normal((4, 4)).astype(np.float32), "W")
@@ -654,7 +845,7 @@ def test_inline_model_is_parsed_exactly(tmp_path, rng):
     model = _model(_weights(rng))
     path = tmp_path / "exact.onnx"
     path.write_bytes(model.SerializeToString())
-    assert loading._parse_model(path) == onnx.load(str(path))
+    assert loading._parse_model(loading._open_model(path)) == onnx.load(str(path))
 
 
 _PEAK_SCRIPT = """

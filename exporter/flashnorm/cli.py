@@ -1,22 +1,30 @@
 """`flashnorm` command line: thin. Each subcommand lives in `flashnorm.tools.<name>`, which
 defines `add_arguments(parser)`, `run(args) -> dict` and optionally
 `format_text(report, verbose) -> str`; option groups several commands share are defined once
-in `flashnorm.tools.options`. This file parses, calls, prints the report, and turns a
-FlashNormError into one line and a non-zero exit."""
+in `flashnorm.tools.options`. This file parses, calls, prints the report, and turns every
+way a command can end into one line and an exit status: a FlashNormError or a refusal of the
+system (exit 2), a failed check (1, the tool's `verdict(report)` line), an inconclusive one
+(4: compare --budget's interval spans its line, the same line), a signal (130, 143),
+a closed standard output (141, silently), and anything unexpected, a bug (70, the traceback in
+a log file the line names). No traceback reaches the terminal."""
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import importlib.util
+import io
 import json
 import os
+import select
 import sys
 from pathlib import Path
 from typing import Any, NoReturn, Sequence
 
 from flashnorm import __version__, signals
-from flashnorm.errors import FlashNormError
+from flashnorm.errors import (EXIT_BAD_INPUT, EXIT_BROKEN_PIPE, EXIT_BUG, EXIT_FAILED_CHECK, EXIT_INCONCLUSIVE, FlashNormError,
+                              write_bug_log)
 from flashnorm.paths import Output, check_paths
 from flashnorm.progress import Progress
 from flashnorm.tools.options import add_output_options
@@ -125,70 +133,182 @@ def _quiet_progress() -> None:
         transformers_logging.disable_progress_bar()
 
 
+REPORT_STREAMS = {"-": "stdout", "/dev/stdout": "stdout", "/dev/fd/1": "stdout",
+                  "/dev/stderr": "stderr", "/dev/fd/2": "stderr"}
+"""--report values written through to a standard stream instead of to a file: `-` and the
+stdout names print the JSON instead of the text report, the stderr names write it there."""
+
+
 def _check_paths(tool: Any, args: argparse.Namespace) -> None:
     """The path guard (flashnorm.paths) over what the command declares it reads and writes,
     its --report included, before any work starts."""
     declared = getattr(tool, "paths", None)
     inputs, outputs = declared(args) if declared is not None else ([], [])
-    if args.report and args.report != "-":
+    if args.report and args.report not in REPORT_STREAMS:
         outputs = [*outputs, Output("report", Path(args.report))]
     check_paths(inputs, outputs, force=getattr(args, "force", False))
 
 
+class _StreamFailed(Exception):
+    """Writing to a standard stream failed (`error`): not a bug, and reported on its own line."""
+
+    def __init__(self, stream: Any, error: OSError) -> None:
+        name = "standard error" if stream is sys.stderr else "standard output"
+        super().__init__(f"cannot write to {name}: {error.strerror or error}")
+        self.stream, self.error = stream, error
+
+
+def _write(stream: Any, text: str) -> None:
+    """`text` and a newline on `stream`, flushed now: a closed or full standard output fails
+    here, inside `main`, not in the interpreter's flush at exit."""
+    try:
+        stream.write(text + "\n")
+    except OSError as exc:
+        raise _StreamFailed(stream, exc) from None
+    _flush(stream)
+
+
+def _flush(stream: Any) -> None:
+    try:
+        stream.flush()
+    except OSError as exc:
+        raise _StreamFailed(stream, exc) from None
+
+
+def _readable_encoding() -> None:
+    """Text that the standard streams' encoding cannot hold (PYTHONIOENCODING=ascii, a C locale)
+    is written as backslash escapes instead of failing the command."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            "→…×".encode(stream.encoding or "utf-8")
+        except (UnicodeEncodeError, LookupError):
+            with contextlib.suppress(AttributeError, ValueError, io.UnsupportedOperation):
+                stream.reconfigure(errors="backslashreplace")
+        except AttributeError:
+            pass
+
+
+def _closed_streams() -> list[Any]:
+    """The standard streams whose reader is gone (a pipe closed by `head`): POLLERR on Linux."""
+    poller, streams = select.poll(), {}
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(AttributeError, ValueError, OSError, io.UnsupportedOperation):
+            streams[stream.fileno()] = stream
+            poller.register(stream.fileno(), select.POLLOUT)
+    return [streams[fd] for fd, events in poller.poll(0) if events & select.POLLERR]
+
+
+def _discard(stream: Any) -> None:
+    """Point `stream`'s descriptor at /dev/null, so that the interpreter's flush at exit writes
+    what is left in its buffer nowhere instead of failing again."""
+    with contextlib.suppress(AttributeError, ValueError, OSError, io.UnsupportedOperation):
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, stream.fileno())
+        os.close(devnull)
+
+
+def _say(command: str, label: str, message: str) -> None:
+    """The one line of a command that did not succeed, on stderr (nothing if stderr is gone)."""
+    with contextlib.suppress(OSError):
+        print(f"flashnorm {command}: {label}: {message}", file=sys.stderr, flush=True)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    """Run one command line; returns the exit status (README, "Exit status"): 0, 1 a failed
+    check, 2 a refused input or option, 3 not compared, 4 inconclusive, 70 a bug (its traceback in a log file
+    the line names), 130/143 stopped by SIGINT/SIGTERM, 141 standard output closed early."""
     argv = list(sys.argv[1:] if argv is None else argv)
     command = next((a for a in argv if a in COMMANDS), "")
+    _readable_encoding()
     try:
-        parser = build_parser(argv)
+        with signals.handling_stops():
+            return _main(argv)
+    except KeyboardInterrupt as exc:
+        what = "SIGTERM" if isinstance(exc, signals.Terminated) else "SIGINT"
+        status = 143 if what == "SIGTERM" else 130
+        with contextlib.suppress(OSError):
+            print(f"flashnorm {command}: stopped by {what}; temporary files removed, existing outputs left as they "
+                  "were", file=sys.stderr, flush=True)
+        if signals.abandoned_work():  # native work still running in a thread: leave without waiting for it
+            with contextlib.suppress(OSError, ValueError):
+                sys.stdout.flush()
+            os._exit(status)
+        return status
+    except _UsageError as exc:
+        with contextlib.suppress(OSError):
+            print(exc, file=sys.stderr, flush=True)
+        return EXIT_BAD_INPUT
     except FlashNormError as exc:
-        print(f"flashnorm {command}: error: {exc}", file=sys.stderr)
+        _say(command, exc.label, str(exc))
         return exc.exit_code
+    except (_StreamFailed, OSError) as exc:
+        error = exc.error if isinstance(exc, _StreamFailed) else exc
+        closed = _closed_streams()
+        for stream in closed:
+            _discard(stream)
+        if isinstance(error, BrokenPipeError) and closed:  # `| head`: stop quietly, as `cat` does
+            return EXIT_BROKEN_PIPE
+        if isinstance(exc, _StreamFailed):
+            _discard(exc.stream)
+            _say(command, "error", str(exc))
+        else:  # the disk or the file system said no: not a FlashNorm bug
+            _say(command, "error", str(error))
+        return EXIT_BAD_INPUT
+    except MemoryError:
+        _say(command, "error", "out of memory (choose smaller sizes)")
+        return EXIT_BAD_INPUT
+    except Exception as exc:  # anything else is a bug: one line, the traceback in a file
+        try:
+            where = f"the traceback is in {write_bug_log(command, argv, exc)}"
+        except OSError as log_error:
+            where = f"its traceback could not be written ({log_error.strerror})"
+        _say(command, "internal error", f"{type(exc).__name__}: {_first_line(exc)}. This is a bug in flashnorm; "
+                                        f"{where}; please report it")
+        return EXIT_BUG
+
+
+def _first_line(error: BaseException) -> str:
+    lines = str(error).strip().splitlines()
+    return lines[0][:300] if lines else "(no message)"
+
+
+def _main(argv: list[str]) -> int:
+    parser = build_parser(argv)
     try:
         args = parser.parse_args(argv)
-    except _UsageError as exc:
-        print(exc, file=sys.stderr)
-        return FlashNormError.exit_code
+    except SystemExit:  # --help, --version: what they printed must reach stdout, or fail here
+        _flush(sys.stdout)
+        raise
     if args.quiet:
         _quiet_progress()
     _quiet_graphsurgeon()
     tool = _tool(args.command)
-    with signals.handling_stops():
-        try:
-            _check_paths(tool, args)
-            report = tool.run(args)
-            if args.report and args.report != "-":
-                from flashnorm.report import write_json_report
+    _check_paths(tool, args)
+    report = tool.run(args)
+    stream = REPORT_STREAMS.get(args.report or "")
+    if args.report and stream is None:
+        from flashnorm.report import write_json_report
 
-                write_json_report(args.report, report)
-        except FlashNormError as exc:
-            print(f"flashnorm {args.command}: {exc.label}: {exc}", file=sys.stderr)
-            return exc.exit_code
-        except OSError as exc:  # the disk or the file system said no: not a FlashNorm bug
-            print(f"flashnorm {args.command}: error: {exc}", file=sys.stderr)
-            return FlashNormError.exit_code
-        except MemoryError:
-            print(f"flashnorm {args.command}: error: out of memory (choose smaller sizes)", file=sys.stderr)
-            return FlashNormError.exit_code
-        except KeyboardInterrupt as exc:
-            what = "SIGTERM" if isinstance(exc, signals.Terminated) else "SIGINT"
-            print(f"flashnorm {args.command}: stopped by {what}; temporary files removed, existing outputs "
-                  "left as they were", file=sys.stderr)
-            return 143 if what == "SIGTERM" else 130
+        write_json_report(args.report, report)
     from flashnorm.report import to_jsonable
 
-    if args.report == "-":
-        print(json.dumps(to_jsonable(report), indent=2))
-    elif not args.quiet and report is not None:
-        plain = to_jsonable(report)
+    plain = to_jsonable(report)
+    if stream is not None:
+        _write(sys.stdout if stream == "stdout" else sys.stderr, json.dumps(plain, indent=2))
+    if stream != "stdout" and not args.quiet and report is not None:
         format_text = getattr(tool, "format_text", None)  # a tool may render its own table
         if format_text is not None:
-            print(format_text(plain, verbose=args.verbose))
+            _write(sys.stdout, format_text(plain, verbose=args.verbose))
         else:
-            print("\n".join(_text(plain)) if isinstance(plain, (dict, list)) else plain)
-    failed = isinstance(report, dict) and report.get("passed") is False
-    # A report may name its own code (compare --budget's inconclusive verdict: 4).
-    code = report.get("exit_code") if isinstance(report, dict) else None
-    return code if isinstance(code, int) else (1 if failed else 0)
+            _write(sys.stdout, "\n".join(_text(plain)) if isinstance(plain, (dict, list)) else str(plain))
+    verdict = getattr(tool, "verdict", None)
+    if isinstance(report, dict) and report.get("exit_code") == EXIT_INCONCLUSIVE:
+        _say(args.command, "inconclusive", verdict(plain) if verdict is not None else "the check is inconclusive")
+        return EXIT_INCONCLUSIVE
+    if isinstance(report, dict) and report.get("passed") is False:
+        _say(args.command, "failed", verdict(plain) if verdict is not None else "the check failed (see the report)")
+        return EXIT_FAILED_CHECK
+    return 0
 
 
 if __name__ == "__main__":

@@ -25,7 +25,7 @@ PLUGIN_NAMESPACE = "flashnorm"
 MAX_OUTPUTS = 8  # FLASHNORM_MAX_OUTPUTS in plugins/flashnorm/include/flashnorm/flashnorm.h
 # Node attribute → TensorRT plugin field type (nvinfer1::PluginFieldType): every field the
 # creator declares, all written on every node.
-PLUGIN_FIELDS: dict[str, str] = {"eps": "kFLOAT32", "splits": "kINT32", "strategy": "kINT32"}
+PLUGIN_FIELDS: dict[str, str] = {"eps": "kFLOAT32", "splits": "kINT32", "strategy": "kINT32", "statistic": "kINT32"}
 # Plugin fields a plan holds beyond the node's: the multiprocessors the plugin records when it is made
 # for a build (the build device's) and serializes, so that AUTO picks for that count, and fits the
 # workspace TensorRT reserved for it, on any GPU the plan runs on. Never written on a node, and not
@@ -39,6 +39,13 @@ MIN_IR_VERSION = 8
 # The plugin's strategy field: FLASHNORM_STRATEGY_AUTO. Written on every node so that TensorRT's
 # parser finds every field the creator declares (it warns about a missing one).
 STRATEGY_AUTO = 0
+# The statistic the node's row scale divides by: the RMS (RMSNorm) or the standard deviation
+# (LayerNorm, whose mean the fold has centred out of the weights). Plugin field `statistic`.
+STATISTIC_RMS = 0
+STATISTIC_VARIANCE = 1
+# The node's third input: a float32 bias per output column, [sum(splits)], added after the row
+# scale (zeros where no projection has a bias). Nodes and plans written before it have two inputs.
+BIAS_DTYPE = "float32"
 
 # Before this encoding one name, FlashNormMatMul, carried ONNX function overloads per output
 # count: TensorRT's parser gave every node the first overload's body.

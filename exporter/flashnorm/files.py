@@ -3,17 +3,20 @@ its destination and renamed into place only once complete and on disk (fsync), s
 never leaves half a file behind and a crash never leaves a renamed file without its bytes.
 
 Models, their data files, JSON reports, engine plans, timing caches and Triton repositories
-all go through this module. It imports nothing outside the standard library.
+all go through this module; a model and its data file replace an earlier pair as one
+(`commit_with_data`). It imports nothing outside the standard library.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import re
 import shutil
+import stat
 import tempfile
 from pathlib import Path
-from typing import IO, Iterator, Sequence
+from typing import IO, Callable, Collection, Iterator, Sequence
 
 from flashnorm.errors import FlashNormError
 
@@ -40,10 +43,14 @@ class StagedFile:
         self.committed = False
         os.fchmod(self.fd, 0o666 & ~umask())  # mkstemp's 0600 is for the temporary, not the result
 
-    def commit(self) -> None:
+    def commit(self, to: Path | None = None) -> None:
+        """fsync, then rename into place: at `path`, or at `to` instead."""
         os.fsync(self.fd)
         os.close(self.fd)
         self.fd = -1
+        if to is not None:
+            self.path = to
+        check_replaceable_file(self.path, f"output {self.path}")  # again: it may have appeared since the check
         os.replace(self.temporary, self.path)
         self.committed = True
 
@@ -55,51 +62,80 @@ class StagedFile:
             os.unlink(self.temporary)
 
 
-class SetAside:
-    """An existing file moved to a temporary name beside it; `restore()` moves it back, `drop()`
-    removes it."""
+def commit_with_data(data: StagedFile, model: Path, model_bytes: Callable[[str], bytes], *,
+                     old_data: Collection[Path] = (), keep: Collection[Path] = ()) -> Path:
+    """Put a model and the data file it names in place so that, at every instant, `model` is
+    the old model reading its old data or the new model reading its new data, both complete:
+    a crash or a failure at any step leaves one pair or the other, never a model without its
+    data or reading another model's data at its own offsets.
 
-    def __init__(self, path: Path) -> None:
-        fd, temporary = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".old.tmp", dir=_directory(path))
+    `data` is the new data file, staged for its usual name `data.path` (`<model>.data`);
+    `model_bytes(location)` returns the new model naming its data file `location` (a file name
+    in `model`'s folder). The data goes to `data.path` if no file is there; otherwise (an
+    earlier output being replaced, whose model may read that name) to a new name of its own,
+    `<model>.<8 random characters>.data`, so the old pair stays whole until the one rename of
+    the new model over the old one. Returns where the data went.
+
+    Once the new model is in place, this output's earlier data files are removed: those of
+    `old_data` (the files the replaced model named, resolved) with one of the two names above,
+    and a file left at `data.path`, except any in `keep` (another model's data). A failure
+    before that removes the new data file, and leaves everything else as it was."""
+    folder = _directory(model)
+    usual = target = data.path
+    if os.path.lexists(target):
+        fd, name = tempfile.mkstemp(prefix=f"{model.name}.", suffix=".data", dir=folder)
         os.close(fd)
-        try:
-            os.replace(path, temporary)
-        except BaseException:
-            os.unlink(temporary)
-            raise
-        self.path, self.temporary = path, Path(temporary)
-
-    def restore(self) -> None:
-        os.replace(self.temporary, self.path)
-
-    def drop(self) -> None:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(self.temporary)
-
-
-def commit_together(files: Sequence[StagedFile]) -> None:
-    """Rename written files into place in order, the last one being the file that names the
-    others (a model after its data). A file already at the last one's destination is moved
-    aside first: between the renames it would name the new files with its own expectations
-    (an old model reading new data at its old offsets), so for that moment there is none
-    there instead. On failure every uncommitted file is removed and the old last file goes
-    back only if none of the new files replaced what it named."""
-    previous: SetAside | None = None
+        target = Path(name)
     try:
-        if len(files) > 1 and os.path.lexists(files[-1].path):
-            previous = SetAside(files[-1].path)
-        for file in files:
-            file.commit()
-        if previous is not None:
-            previous.drop()
+        data.commit(to=target)
+        _commit_bytes(model, model_bytes(target.name))
     except BaseException:
-        discard_all(files)
-        if previous is not None:
-            if files[0].committed:
-                previous.drop()
-            else:
-                previous.restore()
+        data.discard()
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(target)
         raise
+    kept = {Path(os.path.realpath(path)) for path in [target, *keep]}
+    earlier = [path for path in old_data if _is_data_name(model, Path(path))] + [usual]
+    for path in earlier:
+        if os.path.lexists(path) and Path(os.path.realpath(path)) not in kept:
+            with contextlib.suppress(OSError):  # the new pair is in place: a stray old file at worst
+                os.unlink(path)
+    _sync_directory(folder)
+    return target
+
+
+def _is_data_name(model: Path, path: Path) -> bool:
+    """Whether `path` has a name `commit_with_data` gives `model`'s data file, in its folder."""
+    if Path(os.path.realpath(path.parent)) != Path(os.path.realpath(_directory(model))):
+        return False
+    renamed = re.escape(model.name) + r"\.[a-z0-9_]{8}\.data"  # tempfile.mkstemp's 8 characters
+    return path.name == f"{model.name}.data" or re.fullmatch(renamed, path.name) is not None
+
+
+def _commit_bytes(path: Path, content: bytes) -> None:
+    staged = StagedFile(path)
+    try:
+        _write_all(staged.fd, content)
+        staged.commit()
+    except BaseException:
+        staged.discard()
+        raise
+
+
+def _write_all(fd: int, content: bytes) -> None:
+    view = memoryview(content)
+    while view:
+        view = view[os.write(fd, view):]
+
+
+def _sync_directory(folder: Path) -> None:
+    """Make the renames in `folder` durable (a directory fsync; not every file system has one)."""
+    with contextlib.suppress(OSError):
+        fd = os.open(folder, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
 
 
 def discard_all(files: Sequence[StagedFile]) -> None:
@@ -118,6 +154,29 @@ def atomic_write(path: str | os.PathLike[str], mode: str = "wb") -> Iterator[IO]
     except BaseException:
         staged.discard()
         raise
+
+
+def check_replaceable_file(target: Path, named: str) -> None:
+    """FlashNormError (one line, starting with `named`) unless `target` may be replaced by a file:
+    missing, a regular file, or a symlink (the link is replaced, never what it points to) to one.
+    Never a device, FIFO or socket: a rename would replace the node itself (as root, /dev/null)."""
+    try:
+        mode = os.stat(target).st_mode
+    except FileNotFoundError:
+        return
+    except OSError as exc:
+        raise FlashNormError(f"cannot write {named}: {exc.strerror}") from None
+    if stat.S_ISDIR(mode):
+        raise FlashNormError(f"{named} is a directory")
+    if not stat.S_ISREG(mode):
+        raise FlashNormError(f"{named} exists and is {_kind(mode)}, not a regular file; flashnorm replaces only "
+                             "regular files")
+
+
+def _kind(mode: int) -> str:
+    kinds = ((stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"), (stat.S_ISFIFO, "a FIFO"),
+             (stat.S_ISSOCK, "a socket"))
+    return next((name for test, name in kinds if test(mode)), "a special file")
 
 
 MARKER = ".flashnorm-output"

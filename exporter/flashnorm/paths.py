@@ -4,9 +4,13 @@ Every command declares its inputs and its outputs (`Input`, `Output`); `check_pa
 them (symlinks, `..`, relative to the current directory) and refuses, with one line, an output
 that is, contains or lies inside an input (an ONNX model's external-data files included) or
 another output, one that is or contains the current directory, the home directory or a
-filesystem root, and one whose location cannot be written. `--force` replaces only a folder
+filesystem root, one whose location cannot be written, and one that exists and is not what the
+command would write: a file output over anything but a regular file (a device such as
+/dev/null, a FIFO, a socket: renaming over it would replace the device node, not write
+through it), a folder output over anything but a folder. `--force` replaces only a folder
 that flashnorm itself wrote (it carries `files.MARKER`), never anything else: refuse rather than
-guess, as `cp`, `rsync` and `git` do. It imports nothing outside the standard library but
+guess, as `cp`, `rsync` and `git` do. (A report to a standard stream is written through it, not
+replaced: the CLI keeps it out of the guard, see `cli.REPORT_STREAMS`.) It imports nothing outside the standard library but
 `errors` and `files`; reading an ONNX file's external-data names is done by the caller
 (`flashnorm.modelio.external_data_files`), so this module stays cheap to import.
 """
@@ -20,7 +24,7 @@ from pathlib import Path
 from typing import Iterable, Sequence
 
 from flashnorm.errors import FlashNormError
-from flashnorm.files import check_replaceable_folder
+from flashnorm.files import check_replaceable_file, check_replaceable_folder
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,10 +110,11 @@ def _check_writable(output: Output, target: Path, force: bool) -> None:
     named = f"{output.what} {output.path}"
     parent = target.parent
     if output.make_parents:
-        while not parent.exists() and parent != parent.parent:
+        while not os.path.lexists(parent) and parent != parent.parent:
             parent = parent.parent
     if not parent.is_dir():
-        raise FlashNormError(f"cannot write {named}: directory {parent} does not exist")
+        problem = "is not a directory" if os.path.lexists(parent) else "does not exist"
+        raise FlashNormError(f"cannot write {named}: {parent} {problem}")
     try:  # a real probe: permission bits say nothing to root, nor of a read-only or full file system
         fd, probe = tempfile.mkstemp(prefix=".flashnorm-probe-", dir=parent)
         os.close(fd)
@@ -118,5 +123,5 @@ def _check_writable(output: Output, target: Path, force: bool) -> None:
         raise FlashNormError(f"cannot write {named}: directory {parent}: {exc.strerror}") from None
     if output.folder:
         check_replaceable_folder(target, force, named)
-    elif target.is_dir():
-        raise FlashNormError(f"{named} is a directory")
+    else:
+        check_replaceable_file(target, named)

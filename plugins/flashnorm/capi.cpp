@@ -68,6 +68,8 @@ char const* problem_error(flashnorm_problem const* problem)
         return "eps must be >= 0";
     if (problem->multiprocessors < 0)
         return "multiprocessors must be >= 0 (0: the device's own)";
+    if (problem->statistic != FLASHNORM_STATISTIC_RMS && problem->statistic != FLASHNORM_STATISTIC_VARIANCE)
+        return "unknown statistic (0: RMS, 1: variance)";
     return "";
 }
 
@@ -88,6 +90,7 @@ flashnorm::dispatch::Problem dispatch_problem(flashnorm_problem const& problem)
     for (int i = 0; i < problem.num_outputs; ++i)
         converted.split_sizes[i] = problem.split_sizes[i];
     converted.dtype = flashnorm::dispatch_dtype(problem.dtype);
+    converted.statistic = static_cast<flashnorm::dispatch::Statistic>(problem.statistic);
     return converted;
 }
 
@@ -135,8 +138,8 @@ bool overlaps(void const* a, void const* b, size_t bytes)
 
 // Both entry points: checks, then the strategy's launches; `add` empty for flashnorm_matmul.
 flashnorm_status enqueue(flashnorm_context* context, flashnorm_problem const* problem, void const* x,
-    flashnorm::ResidualAdd const& add, void const* w, void* const* outputs, void* workspace, size_t workspace_bytes,
-    cudaStream_t stream, char const* caller)
+    flashnorm::ResidualAdd const& add, void const* w, float const* bias, void* const* outputs, void* workspace,
+    size_t workspace_bytes, cudaStream_t stream, char const* caller)
 {
     if (context == nullptr)
         return FLASHNORM_STATUS_INVALID_ARGUMENT;
@@ -168,11 +171,12 @@ flashnorm_status enqueue(flashnorm_context* context, flashnorm_problem const* pr
 
     flashnorm_strategy strategy = resolve(*problem, auto_multiprocessors(*problem, context->sm_count));
     bool const adds = add.residual != nullptr;
+    flashnorm::RowNorm const norm = flashnorm::row_norm(*problem, bias);
     if (strategy == FLASHNORM_STRATEGY_FUSED)
     {
         FLASHNORM_CHECK(context,
-            flashnorm::launch_fused(problem->dtype, x, add, w, problem->m, problem->k, problem->n, problem->eps,
-                splits, context->sm_count, context->fused_tuning, stream));
+            flashnorm::launch_fused(problem->dtype, x, add, w, problem->m, problem->k, problem->n, norm, splits,
+                context->sm_count, context->fused_tuning, stream));
         return FLASHNORM_STATUS_OK;
     }
     // The other strategies' first kernels read x more than once or through TMA: the add runs
@@ -197,16 +201,16 @@ flashnorm_status enqueue(flashnorm_context* context, flashnorm_problem const* pr
             context, flashnorm::launch_residual_add(problem->dtype, x, add, problem->m * problem->k, stream));
     }
     if (strategy == FLASHNORM_STRATEGY_PRENORM)
-        return flashnorm::run_prenorm(context, *problem, input, w, splits, workspace, stream);
+        return flashnorm::run_prenorm(context, *problem, input, w, bias, splits, workspace, stream);
     if (strategy == FLASHNORM_STRATEGY_EPILOGUE_SCALE)
     {
         FLASHNORM_CHECK(context,
-            flashnorm::launch_epilogue_scale(problem->dtype, input, w, problem->m, problem->k, problem->n,
-                problem->eps, splits, static_cast<float*>(workspace), context->sm_count, context->side_delay_cycles,
+            flashnorm::launch_epilogue_scale(problem->dtype, input, w, problem->m, problem->k, problem->n, norm,
+                splits, static_cast<float*>(workspace), context->sm_count, context->side_delay_cycles,
                 context->epilogue_scale_tiles, stream));
         return FLASHNORM_STATUS_OK;
     }
-    return flashnorm::run_two_stream(context, *problem, input, w, splits, workspace, stream);
+    return flashnorm::run_two_stream(context, *problem, input, w, bias, splits, workspace, stream);
 }
 
 } // namespace
@@ -277,15 +281,16 @@ int32_t flashnorm_measured_multiprocessors(void)
 }
 
 flashnorm_status flashnorm_matmul(flashnorm_context* context, flashnorm_problem const* problem, void const* x,
-    void const* w, void* const* outputs, void* workspace, size_t workspace_bytes, cudaStream_t stream)
+    void const* w, float const* bias, void* const* outputs, void* workspace, size_t workspace_bytes,
+    cudaStream_t stream)
 {
-    return enqueue(context, problem, x, flashnorm::ResidualAdd{}, w, outputs, workspace, workspace_bytes, stream,
+    return enqueue(context, problem, x, flashnorm::ResidualAdd{}, w, bias, outputs, workspace, workspace_bytes, stream,
         "flashnorm_matmul");
 }
 
 flashnorm_status flashnorm_add_matmul(flashnorm_context* context, flashnorm_problem const* problem, void const* x,
-    void const* residual, void* sum, void const* w, void* const* outputs, void* workspace, size_t workspace_bytes,
-    cudaStream_t stream)
+    void const* residual, void* sum, void const* w, float const* bias, void* const* outputs, void* workspace,
+    size_t workspace_bytes, cudaStream_t stream)
 {
     char const* const caller = "flashnorm_add_matmul";
     if (context == nullptr)
@@ -302,7 +307,7 @@ flashnorm_status flashnorm_add_matmul(flashnorm_context* context, flashnorm_prob
             return flashnorm::record_error(
                 context, FLASHNORM_STATUS_INVALID_ARGUMENT, caller, "sum overlaps x or residual", "pointers");
     }
-    return enqueue(context, problem, x, flashnorm::ResidualAdd{residual, sum}, w, outputs, workspace,
+    return enqueue(context, problem, x, flashnorm::ResidualAdd{residual, sum}, w, bias, outputs, workspace,
         workspace_bytes, stream, caller);
 }
 

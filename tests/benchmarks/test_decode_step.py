@@ -14,8 +14,12 @@ import decode_step  # noqa: E402
 
 def test_every_site_form_matches_the_fp32_model():
     rows = decode_step.smoke()
-    assert {row["variant"] for row in rows} == {"eager", "eager+flashnorm", "eager+flashnorm-matmul", "eager+fold"}
+    assert {row["variant"] for row in rows} == {"eager", "eager+flashnorm", "eager+flashnorm-matmul", "eager+fold",
+                                                 "eager+norm-free"}
     for row in rows:
+        if row["variant"] == "eager+norm-free":
+            assert row["relative"] > 0.1, row  # the norms deleted: the ceiling's timing, not the model
+            continue
         # bf16 weights and activations over 2 layers: about 1e-2 of the logits' norm.
         assert row["relative"] < 2e-2, row
 

@@ -262,7 +262,7 @@ def test_unwritable_output(tmp_path, rng, capsys, monkeypatch):
     _save(case, tmp_path / "src", rng)
     (tmp_path / "file").write_text("x")
     err = _refused([str(tmp_path / "src"), "-o", str(tmp_path / "file" / "out")], capsys, tmp_path)
-    assert "does not exist" in err
+    assert "file is not a directory" in err
     (tmp_path / "full").mkdir()
     (tmp_path / "full" / "keep.txt").write_text("mine")
     err = _refused([str(tmp_path / "src"), "-o", str(tmp_path / "full")], capsys, tmp_path)
@@ -336,7 +336,7 @@ def test_check_int8_cli(tmp_path, rng, smollm2_tokenizer, capsys):
 def test_uniform_gain_leaves_int8_error_unchanged():
     """A gain c on every channel scales each row's range by c and divides the input by c:
     the estimate is exactly 1, whatever c."""
-    from flashnorm.checkpoint.fold import int8_error_estimate
+    from flashnorm.quantization_aware import int8_error_estimate
 
     for c in (0.1, 1.0, 7.5):
         gain = torch.full((64,), c, dtype=torch.float64)
@@ -382,3 +382,55 @@ def test_int8_limit_below_one_is_refused(tmp_path, capsys):
     assert cli.main(["fold-checkpoint", str(tmp_path / "src"), "-o", str(tmp_path / "out"), "--int8-limit", "0.9"]) == 2
     assert "argument --int8-limit: must be at least 1.0, got 0.9" in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
+
+
+def test_int8_limit_is_deprecated_and_not_combined_with_for_quantization(tmp_path, capsys):
+    """--int8-limit still selects (test_int8_limit_keeps_risky_gains) and says once that
+    --for-quantization int8 replaces it; the two selections together are one line, exit 2."""
+    transformers.LlamaConfig(architectures=["LlamaForCausalLM"]).save_pretrained(tmp_path / "src")  # refused before any read
+    assert cli.main(["fold-checkpoint", str(tmp_path / "src"), "-o", str(tmp_path / "out"), "--int8-limit", "1.3",
+                     "--for-quantization", "int8"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[0] == ("flashnorm fold-checkpoint: warning: --int8-limit is deprecated here, use --for-quantization int8 "
+                      "(one selection of the norms to fold before a quantizer, shared with optimize; --int8-limit "
+                      "still works in this release and goes in the next)")
+    assert len(err) == 2 and "--int8-limit and --for-quantization are two selections" in err[1]
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_quantized_checkpoint_is_refused(tmp_path, capsys):
+    """A consumer weight stored as fp8 (its scale in another tensor, as FP8 checkpoints keep it):
+    folding g into the codes would be neither the fold nor the quantization: one line, exit 2."""
+    from safetensors.torch import load_file, save_file
+
+    config = transformers.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=1,
+                                      num_attention_heads=4, num_key_value_heads=2)
+    transformers.LlamaForCausalLM(config).save_pretrained(tmp_path / "src")
+    path = tmp_path / "src" / "model.safetensors"
+    state = load_file(str(path))
+    name = "model.layers.0.self_attn.q_proj.weight"
+    state[name] = state[name].to(torch.float8_e4m3fn)
+    save_file(state, str(path), metadata={"format": "pt"})
+    capsys.readouterr()  # save_pretrained's progress
+    assert cli.main(["fold-checkpoint", str(tmp_path / "src"), "-o", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert f"{name} is stored as float8_e4m3fn (a quantized checkpoint)" in err and "\n" not in err
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_float_checkpoint_folds_without_onnx_graphsurgeon(tmp_path):
+    """The GPU machine has no onnx-graphsurgeon and folds checkpoints there
+    (benchmarks/checkpoint_decode.py): a float fold never imports match/, which needs it."""
+    import subprocess
+    import sys
+
+    config = transformers.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=1,
+                                      num_attention_heads=4, num_key_value_heads=2)
+    transformers.LlamaForCausalLM(config).save_pretrained(tmp_path / "src")
+    script = ("import sys\nfrom flashnorm.checkpoint import fold_checkpoint\nfrom flashnorm.progress import Progress\n"
+              "Progress.enabled = False\n"
+              f"fold_checkpoint({str(tmp_path / 'src')!r}, {str(tmp_path / 'out')!r}, for_quantization='int4')\n"
+              "print(sorted(m for m in sys.modules if m.split('.')[0] in ('onnx_graphsurgeon', 'onnx') "
+              "or m.startswith('flashnorm.match')))\n")
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True)
+    assert result.stdout.strip().splitlines()[-1] == "[]"

@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import onnx
 import onnx_graphsurgeon as gs
 import pytest
 
@@ -184,6 +185,47 @@ def test_failed_build_leaves_no_file(fake_trt, deferred_model, plugin_file, tmp_
     with pytest.raises(FlashNormError, match="could not build"):
         build_engine_file(deferred_model, plan, BuildOptions(plugins=[plugin_file], shapes={"x": PROFILE}))
     assert not plan.exists() and not leftovers(tmp_path)
+
+
+def _external(model: Path) -> Path:
+    """The model saved again with its weights in `<name>.data` (size_threshold 0: every one)."""
+    external = model.with_name("external.onnx")
+    onnx.save(onnx.load(str(model)), str(external), save_as_external_data=True, location="external.onnx.data",
+              size_threshold=0)
+    return external
+
+
+@pytest.mark.parametrize("spoil, message", [
+    (lambda data: os.truncate(data, 10), "is truncated: tensor"),
+    (lambda data: (data.unlink(), os.mkfifo(data)), "is a FIFO, not a regular file"),
+])
+def test_bad_external_data_is_explained_before_the_parser_reads_it(fake_trt, deferred_model, tmp_path, spoil, message):
+    """Our own reader checks the model's data (sizes, regular file, confinement) before
+    TensorRT's parser opens it by name: one line of ours, never a wait on a FIFO."""
+    model = _external(deferred_model)
+    spoil(model.with_name("external.onnx.data"))
+    with pytest.raises(FlashNormError) as excinfo:
+        build_engine_file(model, tmp_path / "model.plan", BuildOptions(shapes={"x": PROFILE}))
+    assert message in str(excinfo.value) and "parser" not in str(excinfo.value)
+    assert not (tmp_path / "model.plan").exists()
+
+
+def test_a_model_changed_during_the_build_is_refused(fake_trt, deferred_model, tmp_path, monkeypatch):
+    """TensorRT reads the files by name: a model or data file replaced while it builds gives
+    an engine of neither version, so no plan is written."""
+    model = _external(deferred_model)
+    data = model.with_name("external.onnx.data")
+    real_build = fake_trt.Builder.build_serialized_network
+
+    def build_while_replaced(self, network, config):
+        data.with_name("new.data").write_bytes(data.read_bytes())
+        os.replace(data.with_name("new.data"), data)
+        return real_build(self, network, config)
+
+    monkeypatch.setattr(fake_trt.Builder, "build_serialized_network", build_while_replaced)
+    with pytest.raises(FlashNormError, match="external.onnx.data changed while flashnorm was reading it"):
+        build_engine_file(model, tmp_path / "model.plan", BuildOptions(shapes={"x": PROFILE}))
+    assert not (tmp_path / "model.plan").exists() and not leftovers(tmp_path)
 
 
 @pytest.mark.gpu

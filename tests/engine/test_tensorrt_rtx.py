@@ -105,8 +105,9 @@ def test_deferred_model_builds_from_reference_functions(models, tmp_path):
     assert report["profile"] == {"x": "1x1x32,2x8x32,4x512x32"}
     assert report["flashnorm_nodes"] == 3 and report["flashnorm_plugin_layers"] == 0
     assert "reference functions" in report["note"]
-    # One mean-of-squares reduction per norm, inside each node's reference body.
-    assert report["network"]["mean_reductions"] == 3
+    # Two mean reductions per node's reference body: the mean (times the statistic, 0 for an RMSNorm:
+    # one body for both statistics) and the mean of squares.
+    assert report["network"]["mean_reductions"] == 2 * 3
     assert report["network"]["layer_types"]["MATRIX_MULTIPLY"] == 3
     assert report["parser_warnings_suppressed"] > 0
     inspector = report["engine_inspector"]
@@ -114,12 +115,13 @@ def test_deferred_model_builds_from_reference_functions(models, tmp_path):
 
 
 def test_folded_and_deferred_are_the_same_network_arithmetic(models):
-    """What defer changes inside TensorRT without the plugin: the same norms, the projections'
-    matrix multiplies merged into one per norm."""
+    """What defer changes inside TensorRT without the plugin: the same norms (each reference body
+    also takes the mean, multiplied by the RMS statistic's 0), the projections' matrix multiplies
+    merged into one per norm."""
     options = BuildOptions(backend="tensorrt-rtx", shapes=PROFILE, optimization_level=0)
     _, folded = build_serialized_engine(models["folded"], options)
     _, deferred = build_serialized_engine(models["deferred"], options)
-    assert folded["network"]["mean_reductions"] == deferred["network"]["mean_reductions"] == 3
+    assert folded["network"]["mean_reductions"] == 3 and deferred["network"]["mean_reductions"] == 2 * 3
     assert folded["network"]["layer_types"]["MATRIX_MULTIPLY"] == 6
     assert deferred["network"]["layer_types"]["MATRIX_MULTIPLY"] == 3
     assert folded["optimization_level"] == 0
@@ -203,8 +205,22 @@ def test_half_models_build_folded_and_deferred(dtype, rng, tmp_path):
             options = BuildOptions(backend="tensorrt-rtx", shapes={"x": ShapeRange((1, 1, 256), (2, 8, 256), (4, 64, 256))},
                                    optimization_level=0)
             plan, report = build_serialized_engine(path, options)
-            assert report["strongly_typed"] and report["network"]["mean_reductions"] == 1
+            assert report["strongly_typed"] and report["network"]["mean_reductions"] == (2 if name == "deferred" else 1)
             assert report["flashnorm_nodes"] == (1 if name == "deferred" else 0)
             sizes[precision, name] = report["engine_bytes"]
     weights = 3 * 256 * 256  # elements of the three projections
     assert sizes["float32", "folded"] - sizes[dtype, "folded"] >= weights * 2 * 0.9
+
+
+@pytest.mark.parametrize("spelling", ["ln_decomposed", "layer_normalization"])
+def test_deferred_layernorm_builds_from_its_reference_function(spelling, rng, tmp_path):
+    """LayerNorm mode: the parser reads the node's statistic and its bias input, and builds the
+    reference body (the mean subtracted for the variance; the projections' biases added)."""
+    from synthetic import build_parallel_block
+
+    graph, _ = run_passes(gs.import_onnx(build_parallel_block(rng, spelling=spelling)), ["fold", "defer"])
+    path = tmp_path / "deferred_ln.onnx"
+    modelio.save(graph, path)
+    _, report = build_serialized_engine(path, BuildOptions(backend="tensorrt-rtx", shapes=PROFILE, optimization_level=0))
+    assert report["flashnorm_nodes"] == 2 and report["flashnorm_plugin_layers"] == 0
+    assert report["network"]["layer_types"]["MATRIX_MULTIPLY"] == 2 + 2  # one per node, two in the attention stand-in

@@ -1,5 +1,5 @@
-"""Shared pieces of the kernel-library GPU tests: the float64 reference, the error measure,
-fresh random inputs, and the per-dtype tolerances."""
+"""Shared pieces of the kernel-library GPU tests: the float64 references (RMSNorm and LayerNorm, with
+a bias), the error measures, fresh random inputs, and the per-dtype tolerances."""
 
 from __future__ import annotations
 
@@ -79,3 +79,62 @@ def generator_from(rng) -> torch.Generator:
     generator = torch.Generator(device="cuda")
     generator.manual_seed(int(rng.integers(0, 2**63 - 1)))
     return generator
+
+
+def statistic_scale(x64: torch.Tensor, eps: float, statistic: str = "rms") -> torch.Tensor:
+    """The row scale [..., 1] in float64: rsqrt(mean(x²) + eps), or for "variance"
+    rsqrt(mean((x − mean x)²) + eps)."""
+    centred = x64 - x64.mean(dim=-1, keepdim=True) if statistic == "variance" else x64
+    return torch.rsqrt(centred.pow(2).mean(dim=-1, keepdim=True) + eps)
+
+
+def centred_weight(generator: torch.Generator, k: int, n: int, dtype: torch.dtype, device: str = "cuda") -> torch.Tensor:
+    """W* ~ N(0, 1/k) whose columns sum to exactly zero in `dtype` too: its rows come in opposite pairs
+    (a row and its negation, in a random order; one zero row for odd k), so x·W* = (x − mean x)·W*
+    holds for the rounded weights as the fold's centring promises, and every strategy computes
+    LayerNorm itself."""
+    half = torch.randn(k // 2, n, generator=generator, device=device, dtype=torch.float64) / k**0.5
+    rows = [half, -half] + ([torch.zeros(1, n, device=device, dtype=torch.float64)] if k % 2 else [])
+    order = torch.randperm(k, generator=generator, device=device)
+    return torch.cat(rows)[order].to(dtype)
+
+
+def random_bias(generator: torch.Generator, n: int, device: str = "cuda") -> torch.Tensor:
+    """A float32 bias ~ N(0, 1) per output column (the fold's c* = b·W + c)."""
+    return torch.randn(n, generator=generator, device=device, dtype=torch.float32)
+
+
+def norm_reference(
+    x: torch.Tensor, w: torch.Tensor, eps: float, statistic: str = "rms", bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """(x · W*) ⊙ s + bias in float64 from the dtype-rounded inputs (the op's definition)."""
+    x64 = x.double()
+    y = (x64 @ w.double()) * statistic_scale(x64, eps, statistic)
+    return y if bias is None else y + bias.double()
+
+
+def prenorm_norm_reference(
+    x: torch.Tensor, w: torch.Tensor, eps: float, statistic: str = "rms", bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """x̂ · W* + bias in float64 with x̂ = x ⊙ s (variance: (x − mean) ⊙ s) rounded once to x's dtype:
+    prenorm's documented arithmetic (F.layer_norm + F.linear's)."""
+    x64 = x.double()
+    centred = x64 - x64.mean(dim=-1, keepdim=True) if statistic == "variance" else x64
+    y = (centred * statistic_scale(x64, eps, statistic)).to(x.dtype).double() @ w.double()
+    return y if bias is None else y + bias.double()
+
+
+def magnitude_norm_errors(
+    got: torch.Tensor, x: torch.Tensor, w: torch.Tensor, eps: float, statistic: str, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """Per-row ‖got − exact‖ / (‖|x|·|W*|‖ ⊙ s + ‖bias‖): the error against the sum of absolute terms
+    it can move, for rows whose mean dwarfs their spread (where x·W* cancels in any fp32 accumulation
+    but the centred input of prenorm does not). NaN or Inf in a row gives inf."""
+    x64 = x.double()
+    scale = statistic_scale(x64, eps, statistic)
+    exact = norm_reference(x, w, eps, statistic, bias)
+    magnitude = torch.linalg.vector_norm((x64.abs() @ w.double().abs()) * scale, dim=-1)
+    if bias is not None:
+        magnitude = magnitude + torch.linalg.vector_norm(bias.double())
+    error = torch.linalg.vector_norm(got.double() - exact, dim=-1) / magnitude.clamp_min(1e-300)
+    return torch.where(torch.isfinite(got.double()).all(dim=-1), error, torch.full_like(error, float("inf")))

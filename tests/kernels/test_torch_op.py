@@ -87,11 +87,11 @@ def test_torch_compile_traces_through_the_op_in_one_graph():
     assert torch.allclose(got, _two_sites(x, w_qkv, w_up, 1e-5), rtol=1e-6, atol=1e-6)
 
 
-def _picks_fused_up_to_16_rows(m, k, n, dtype=torch.bfloat16, splits=None):
+def _picks_fused_up_to_16_rows(m, k, n, dtype=torch.bfloat16, splits=None, statistic="rms"):
     return "fused" if m <= 16 else "two_stream"
 
 
-def _picks_epilogue_scale_from_9_rows(m, k, n, dtype=torch.bfloat16, splits=None):
+def _picks_epilogue_scale_from_9_rows(m, k, n, dtype=torch.bfloat16, splits=None, statistic="rms"):
     return "fused" if m <= 8 else "epilogue_scale"
 
 
@@ -240,3 +240,104 @@ def test_inductor_and_cuda_graph_match_the_library_call(dtype, lead):
         static_x.copy_(fresh)
         graph.replay()
         torch.testing.assert_close(static_out, _two_sites(fresh, w_qkv, w_up, 1e-5), rtol=tolerance, atol=tolerance)
+
+
+def _layer_norm_fold(gain: torch.Tensor, shift: torch.Tensor, w: torch.Tensor, c: torch.Tensor):
+    """LayerNorm(x)·g + b → W: W* = diag(g)·W, c* = b·W + c, then W* centred over K (float64)."""
+    folded = gain[:, None] * w
+    return folded - folded.mean(dim=0, keepdim=True), shift @ w + c
+
+
+def test_cpu_variance_with_bias_is_layer_norm_then_the_projection():
+    """The op's LayerNorm mode on the folded, centred weight and the folded bias is F.layer_norm with
+    its gain and bias, then the projection with its bias (issue 48's algebra, float64)."""
+    generator = torch.Generator().manual_seed(11)
+    x = torch.randn(6, 40, generator=generator, dtype=torch.float64) * 3 + 5
+    gain = torch.randn(40, generator=generator, dtype=torch.float64)
+    shift = torch.randn(40, generator=generator, dtype=torch.float64)
+    w = torch.randn(40, 24, generator=generator, dtype=torch.float64)
+    c = torch.randn(24, generator=generator, dtype=torch.float64)
+    centred, bias = _layer_norm_fold(gain, shift, w, c)
+    got = torch.cat(cuda_ops.reference_matmul(x, centred, 1e-5, [20, 4], "variance", bias), dim=-1)
+    expected = torch.nn.functional.layer_norm(x, (40,), gain, shift, eps=1e-5) @ w + c
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)  # the op's arithmetic is fp32
+    ops_form = torch.cat(torch.ops.flashnorm.matmul(x.float(), centred.float(), 1e-5, [20, 4], "auto", "variance",
+                                                    bias.float()), dim=-1)
+    torch.testing.assert_close(ops_form.double(), expected, rtol=1e-4, atol=1e-4)
+
+
+def test_fake_shapes_and_opcheck_with_statistic_and_bias():
+    with FakeTensorMode():
+        x = torch.empty(4, 7, 64, dtype=torch.bfloat16)
+        w = torch.empty(64, 96, dtype=torch.bfloat16)
+        outputs = torch.ops.flashnorm.matmul(x, w, 1e-5, [64, 32], "auto", "variance", torch.empty(96))
+        added = torch.ops.flashnorm.add_matmul(x, torch.empty_like(x), w, 1e-5, [96], "auto", "variance", torch.empty(96))
+    assert [tuple(t.shape) for t in outputs] == [(4, 7, 64), (4, 7, 32)]
+    assert [tuple(t.shape) for t in added] == [(4, 7, 64), (4, 7, 96)]
+    x, w_qkv, _ = _inputs("cpu", torch.bfloat16, torch.Generator().manual_seed(12))
+    bias = torch.randn(32)
+    torch.library.opcheck(torch.ops.flashnorm.matmul.default, (x, w_qkv, 1e-5, [16, 8, 8], "auto", "variance", bias))
+    torch.library.opcheck(torch.ops.flashnorm.add_matmul.default,
+                          (x, x.flip(0), w_qkv, 1e-5, [16, 16], "auto", "variance", bias))
+
+
+def test_prenorm_form_with_variance_and_bias_is_layer_norm_rounded_once():
+    """Inductor's form of the LayerNorm mode: x̂ = (x − mean)·s rounded once, then addmm with the bias
+    rounded to x's dtype (F.layer_norm + F.linear's arithmetic); it matches the op's arithmetic within
+    one bf16 rounding, and the bias rides in addmm."""
+    generator = torch.Generator().manual_seed(13)
+    x = (torch.randn(2, 20, 32, generator=generator) + 4).bfloat16()
+    w = (torch.randn(32, 24, generator=generator) / 32**0.5)
+    w = (w - w.mean(dim=0, keepdim=True)).bfloat16()
+    bias = torch.randn(24, generator=generator)
+    form = cuda_ops.prenorm_form(x, w, 1e-5, [16, 8], "variance", bias)
+    for got, wanted in zip(form, cuda_ops.reference_matmul(x, w, 1e-5, [16, 8], "variance", bias)):
+        assert got.shape == wanted.shape and got.is_contiguous()
+        torch.testing.assert_close(got, wanted, rtol=3e-2, atol=3e-2)
+    with FakeTensorMode():
+        meta = torch.empty(40, 64, dtype=torch.bfloat16, device="meta"), torch.empty(64, 96, dtype=torch.bfloat16, device="meta")
+        graph = torch.fx.experimental.proxy_tensor.make_fx(
+            lambda x, w, b: cuda_ops.prenorm_form(x, w, 1e-5, [96], "variance", b), tracing_mode="fake"
+        )(*meta, torch.empty(96, device="meta"))
+    assert "aten.addmm.default" in {str(node.target) for node in graph.graph.nodes if node.op == "call_function"}
+
+
+def _layer_norm_sites(x, w_qkv, w_up, b_qkv, b_up, eps):
+    """Two LayerNorm→projection sites with biases (the folded, centred form), PyTorch work around them."""
+    q, k, v = torch.ops.flashnorm.matmul(x, w_qkv, eps, [16, 8, 8], "auto", "variance", b_qkv)
+    h = x + torch.cat([q, k, v], dim=-1).relu()
+    gate, up = torch.ops.flashnorm.matmul(h, w_up, eps, [24, 24], "auto", "variance", b_up)
+    return torch.nn.functional.gelu(gate) * up
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("lead", [(3, 5), (4, 64)], ids=["15-rows-library", "256-rows-inductor-form"])
+def test_layer_norm_op_under_inductor_and_cuda_graph(lead):
+    """The LayerNorm mode with biases through torch.compile (fullgraph) and a CUDA graph of the compiled
+    step, against the eager step calling the library through the op."""
+    torch._dynamo.reset()
+    cuda_ops.warm_up()
+    generator = torch.Generator().manual_seed(14)
+    dtype = torch.bfloat16
+    _, w_qkv, w_up = _inputs("cuda", dtype, generator)
+    w_qkv, w_up = ((w - w.float().mean(dim=0, keepdim=True).to(dtype)) for w in (w_qkv, w_up))
+    b_qkv = torch.randn(32, generator=generator).cuda()
+    b_up = torch.randn(48, generator=generator).cuda()
+    x = (torch.randn(*lead, 32, generator=generator) + 3).to("cuda", dtype)
+    compiled = torch.compile(_layer_norm_sites, fullgraph=True)
+    for _ in range(2):
+        torch.testing.assert_close(compiled(x, w_qkv, w_up, b_qkv, b_up, 1e-5),
+                                   _layer_norm_sites(x, w_qkv, w_up, b_qkv, b_up, 1e-5), rtol=5e-2, atol=5e-2)
+    static_x = x.clone()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
+        static_out = compiled(static_x, w_qkv, w_up, b_qkv, b_up, 1e-5)
+    torch.cuda.current_stream().wait_stream(stream)
+    for _ in range(10):
+        fresh = (torch.randn(x.shape, generator=generator) + 3).to("cuda", dtype)
+        static_x.copy_(fresh)
+        graph.replay()
+        torch.testing.assert_close(static_out, _layer_norm_sites(fresh, w_qkv, w_up, b_qkv, b_up, 1e-5),
+                                   rtol=5e-2, atol=5e-2)

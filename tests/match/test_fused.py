@@ -1,5 +1,6 @@
-"""One-node RMSNorm spellings: opset-23 RMSNormalization, ONNX Runtime's
-SimplifiedLayerNormalization and SkipSimplifiedLayerNormalization."""
+"""One-node norm spellings: opset-23 RMSNormalization, ONNX Runtime's
+SimplifiedLayerNormalization and SkipSimplifiedLayerNormalization (RMSNorm); opset-17
+LayerNormalization and ONNX Runtime's SkipLayerNormalization (LayerNorm)."""
 
 from __future__ import annotations
 
@@ -9,20 +10,23 @@ import pytest
 from onnx import TensorProto, helper
 
 from flashnorm.match import find_norm_candidates, find_norm_sites
-from synthetic import SPELLING_FAMILY, GraphBuilder, build_norm_model, random_gain
+from synthetic import SPELLING_FAMILY, SPELLING_KIND, GraphBuilder, build_norm_model, random_bias, random_gain
 
 
 @pytest.mark.parametrize("spelling", sorted(SPELLING_FAMILY))
 def test_fused_spellings_are_found(spelling, rng):
     eps = float(10 ** rng.uniform(-7, -4))
     (site,) = find_norm_sites(gs.import_onnx(build_norm_model(spelling, rng, eps=eps)))
-    assert site.spelling == SPELLING_FAMILY[spelling]
+    assert site.spelling == SPELLING_FAMILY[spelling] and site.kind == SPELLING_KIND[spelling]
     assert site.eps == pytest.approx(eps, rel=1e-6)
     assert site.gain_index == (2 if "Skip" in site.spelling else 1)
     assert np.any(site.gain < 0) and len(site.consumers) == 3
     if "Skip" in site.spelling:
         assert [t.name for t in site.data_inputs][1] == "skip"
         assert site.residual_output is not None
+    if site.kind == "layer":
+        assert site.bias_node is site.nodes[0] and site.bias_index == site.gain_index + 1
+        assert np.any(site.bias != 0) and not site.is_weightless
 
 
 def test_com_microsoft_simplified_layernorm_is_found(rng):
@@ -61,23 +65,41 @@ def test_runtime_scale_is_rejected(rng):
     assert not found.sites and "not a constant" in found.rejected[0].reason
 
 
-def test_layer_normalization_op_is_listed_as_rejected(rng):
+def _layer_normalization(rng, *, axis: int = -1, bias: bool = True, statistics_read: bool = False):
     b = GraphBuilder(17)
-    y = b.op("LayerNormalization", ["x", b.const(random_gain(rng, 8)), b.const(np.zeros(8, np.float32))])
-    graph = gs.import_onnx(b.model([helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", 8])], [y]))
-    found = find_norm_candidates(graph)
-    assert not found.sites and "mean" in found.rejected[0].reason
+    inputs = ["x", b.const(random_gain(rng, 8), "gain")] + ([b.const(random_bias(rng, 8), "ln_bias")] if bias else [])
+    y, mean, _ = b.op("LayerNormalization", inputs, outputs=3, axis=axis, epsilon=1e-6)
+    out = b.op("MatMul", [y, b.const(rng.standard_normal((8, 4)).astype(np.float32))])
+    outputs = [out, mean] if statistics_read else [out]
+    return gs.import_onnx(b.model([helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", 4, 8])], outputs))
 
 
-def test_skip_with_bias_is_checked_and_folds(rng):
+def test_layer_normalization_is_a_layernorm_site(rng):
+    (site,) = find_norm_sites(_layer_normalization(rng))
+    assert site.kind == "layer" and site.eps == pytest.approx(1e-6) and site.bias.shape == (8,)
+    (site,) = find_norm_sites(_layer_normalization(rng, bias=False))
+    assert site.kind == "layer" and site.bias is None and site.bias_node is None
+
+
+def test_layer_normalization_over_two_axes_or_its_statistics_read_is_rejected(rng):
+    found = find_norm_candidates(_layer_normalization(rng, axis=-2))
+    assert not found.sites and "not over the last axis only" in found.rejected[0].reason
+    found = find_norm_candidates(_layer_normalization(rng, statistics_read=True))
+    assert not found.sites and "per-row statistic" in found.rejected[0].reason
+
+
+@pytest.mark.parametrize("op", ["SkipSimplifiedLayerNormalization", "SkipLayerNormalization"])
+def test_skip_with_bias_is_checked_and_folds(op, rng):
+    """The bias a Skip form adds to input + skip before normalizing (input 3 of the RMSNorm's,
+    input 4 of the LayerNorm's, whose input 3 is beta)."""
     from flashnorm.passes.fold import fold
     from synthetic import feeds, relative_error, run
 
     hidden = 16
     b = GraphBuilder(17)
     bias = rng.standard_normal(hidden).astype(np.float32)
-    y, _, _, total = b.op("SkipSimplifiedLayerNormalization", ["x", "skip", b.const(random_gain(rng, hidden), "gain"),
-                                                                 b.const(bias, "bias")],
+    beta = [b.const(random_bias(rng, hidden), "ln_bias")] if op == "SkipLayerNormalization" else []
+    y, _, _, total = b.op(op, ["x", "skip", b.const(random_gain(rng, hidden), "gain"), *beta, b.const(bias, "bias")],
                           outputs=4, domain="com.microsoft", epsilon=1e-6)
     out = b.op("MatMul", [y, b.const(rng.standard_normal((hidden, 8)).astype(np.float32), "w")])
     dims = ["batch", "seq", hidden]

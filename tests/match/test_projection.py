@@ -51,3 +51,40 @@ def test_bias_and_refusals():
     odd = gs.Node("MatMul", inputs=[x, _transposed(_weight(4, 4), [0, 1])], outputs=[gs.Variable("u")])
     with pytest.raises(Refused, match=r"perm \[0, 1\] is not \[1, 0\]"):
         linear_use(odd, x, "here", Refused).stored_weight("here", Refused)
+
+
+def _matmul_add(bias_value: np.ndarray, *, bias_first: bool = False, extra_reader: bool = False):
+    x = gs.Variable("x", dtype=np.float32, shape=["n", 4])
+    product = gs.Variable("p", dtype=np.float32, shape=["n", 4])
+    matmul = gs.Node("MatMul", inputs=[x, _weight(4, 4)], outputs=[product])
+    bias = gs.Constant("c", bias_value)
+    add = gs.Node("Add", inputs=[bias, product] if bias_first else [product, bias], outputs=[gs.Variable("y")])
+    if extra_reader:
+        gs.Node("Relu", inputs=[product], outputs=[gs.Variable("r")])
+    return x, matmul, add, bias
+
+
+@pytest.mark.parametrize("bias_first", [False, True])
+def test_matmul_then_add_of_a_constant_vector_is_the_bias(bias_first):
+    x, matmul, add, bias = _matmul_add(np.ones(4, np.float32), bias_first=bias_first)
+    use = linear_use(matmul, x, "here", Refused)
+    assert use.bias is bias and use.bias_add is add and use.output is add.outputs[0]
+
+
+@pytest.mark.parametrize("case", ["graph output", "second reader", "rank grows", "other width"])
+def test_an_add_that_is_not_the_projections_bias(case):
+    value = {"rank grows": np.ones((1, 1, 4), np.float32), "other width": np.ones(3, np.float32)}.get(
+        case, np.ones(4, np.float32))
+    x, matmul, add, _ = _matmul_add(value, extra_reader=case == "second reader")
+    outputs = frozenset({"p"}) if case == "graph output" else frozenset()
+    use = linear_use(matmul, x, "here", Refused, outputs)
+    assert use.bias is None and use.bias_add is None and use.output is matmul.outputs[0]
+
+
+def test_post_norm_reason_names_the_residual_add():
+    from flashnorm.match.projection import post_norm_reason
+
+    x = gs.Variable("x", dtype=np.float32)
+    residual = gs.Node("Add", name="residual", inputs=[x, gs.Variable("h")], outputs=[gs.Variable("s")])
+    assert "post-LN" in post_norm_reason(residual) and "'residual'" in post_norm_reason(residual)
+    assert post_norm_reason(gs.Node("MatMul", inputs=[x, _weight(4, 4)], outputs=[gs.Variable("y")])) is None

@@ -11,14 +11,15 @@ from flashnorm.match.selfcheck import self_check
 from synthetic import build_norm_model
 
 
-@pytest.mark.parametrize("spelling", ["legacy_torch", "rms_normalization", "skip_simplified_layernorm"])
+@pytest.mark.parametrize("spelling", ["legacy_torch", "rms_normalization", "skip_simplified_layernorm", "ln_decomposed_cast",
+                                      "layer_normalization", "skip_layer_normalization"])
 def test_matching_formula_passes(spelling, rng):
     graph = gs.import_onnx(build_norm_model(spelling, rng))
     (site,) = find_norm_sites(graph)
     self_check(site, graph.opset, rng)
 
 
-@pytest.mark.parametrize("spelling", ["pow_div", "rms_normalization"])
+@pytest.mark.parametrize("spelling", ["pow_div", "rms_normalization", "ln_reciprocal", "layer_normalization"])
 def test_wrong_eps_is_caught(spelling, rng):
     graph = gs.import_onnx(build_norm_model(spelling, rng, eps=1e-5))
     (site,) = find_norm_sites(graph)
@@ -39,5 +40,19 @@ def test_missing_gain_is_caught(rng):
     graph = gs.import_onnx(build_norm_model("gemma_add_one", rng))
     (site,) = find_norm_sites(graph)
     site.gain = None
+    with pytest.raises(Rejected, match="self-check failed"):
+        self_check(site, graph.opset, rng)
+
+
+@pytest.mark.parametrize("spelling", ["ln_decomposed", "layer_normalization"])
+def test_wrong_bias_or_kind_is_caught(spelling, rng):
+    """A LayerNorm checked as an RMSNorm (no mean subtracted), or with another bias, fails."""
+    graph = gs.import_onnx(build_norm_model(spelling, rng))
+    (site,) = find_norm_sites(graph)
+    bias = site.bias
+    site.bias = bias[::-1].copy()
+    with pytest.raises(Rejected, match="self-check failed"):
+        self_check(site, graph.opset, rng)
+    site.bias, site.kind = bias, "rms"
     with pytest.raises(Rejected, match="self-check failed"):
         self_check(site, graph.opset, rng)

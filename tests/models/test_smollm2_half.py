@@ -154,7 +154,8 @@ def test_half_tensorrt_rtx_builds(variant, half_models):
         backend="tensorrt-rtx", shapes={name: tokens for name in read_signature(model).input_names},
         optimization_level=0, progress=False))
     assert report["strongly_typed"]
-    assert report["network"]["mean_reductions"] == SITES
-    assert report["flashnorm_nodes"] == (SITES - 1 if variant == "deferred" else 0)
+    deferred = SITES - 1 if variant == "deferred" else 0
+    assert report["network"]["mean_reductions"] == SITES + deferred  # a reference body also takes the mean
+    assert report["flashnorm_nodes"] == deferred
     if variant == "folded":
         assert report["engine_bytes"] < 0.6 * 540e6

@@ -121,3 +121,29 @@ def test_error_factor_is_one_without_eps(rng):
     a, b = rng.uniform(0.1, 3, 10), rng.uniform(0.1, 3, 10)
     np.testing.assert_allclose(cancel_error_factor(a, b, 0.0), 1.0)
     np.testing.assert_allclose(cancel_error_factor(1.0, b, 1e-3), np.sqrt((b + 1e-3) / (b + 1e-3 * (1 + 1e-3))))
+
+
+@pytest.mark.parametrize("pre_norm", ["ln_decomposed", "layer_normalization"])
+def test_layernorm_is_never_cancelled_nor_a_downstream_norm(pre_norm, rng, optimize, max_error):
+    """A LayerNorm pre-attention norm before per-head RMSNorms keeps its division (its bias is not
+    divided by σ); an RMSNorm whose paths end at a LayerNorm keeps its own (Proposition 3's bound
+    is for a downstream RMSNorm)."""
+    from flashnorm.passes.cancel import LAYER_NORM_REASON
+    from synthetic import GraphBuilder, SPELLINGS, pow_div, random_bias, random_gain
+    from onnx import TensorProto, helper
+
+    model = build_attention_block(rng, kind="qkv_norm", pre_norm=pre_norm)
+    folded, _ = optimize(model, ["fold"])
+    result, reports = optimize(folded, ["cancel"])
+    assert reports["cancel"].count("cancelled") == 0
+    assert reports["cancel"].decisions[0].reason == LAYER_NORM_REASON
+    assert max_error(folded, result) == 0.0
+
+    hidden = 16
+    b = GraphBuilder(17)
+    y = pow_div(b, "x", random_gain(rng, hidden), 1e-5)
+    h = b.op("MatMul", [y, b.const(rng.standard_normal((hidden, hidden)).astype(np.float32), "w")])
+    out = SPELLINGS[pre_norm](b, h, random_gain(rng, hidden), 1e-5, bias=random_bias(rng, hidden))
+    model = b.model([helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", hidden])], [out])
+    _, reports = optimize(model, ["cancel"])
+    assert "path reaches LayerNorm" in reports["cancel"].decisions[0].reason

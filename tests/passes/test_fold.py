@@ -1,5 +1,6 @@
 """Fold (Proposition 1): the gain moves into every consumer weight, exactly, and the norm
-stays a norm ONNX Runtime fuses (gain of ones, not Identity)."""
+stays a norm ONNX Runtime fuses (gain of ones, not Identity); a LayerNorm's bias moves into the
+consumers' biases and its weights are centred (bias of zeros left)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,10 @@ from onnx import TensorProto, helper, numpy_helper
 
 from flashnorm.match import find_norm_sites
 from flashnorm.passes.fold import fold, row_scaler
-from synthetic import CONSUMERS, SPELLINGS, GraphBuilder, axes_input, build_norm_model, pow_div, random_gain
+from synthetic import (
+    CONSUMERS, SPELLINGS, GraphBuilder, axes_input, build_norm_model, ln_rsqrt_axes_input, pow_div, random_bias,
+    random_gain,
+)
 
 
 @pytest.mark.parametrize("consumer", CONSUMERS)
@@ -55,32 +59,118 @@ def test_folded_graph_is_idempotent(rng, optimize):
     assert "weightless" in reports["fold"].decisions[0].reason
 
 
-def _layernorm(b: GraphBuilder, x: str, hidden: int, rng) -> str:
-    mean = b.op("ReduceMean", [x], axes=[-1])
-    centred = b.op("Sub", [x, mean])
-    var = b.op("ReduceMean", [b.op("Pow", [centred, b.const(np.array(2.0, np.float32))])], axes=[-1])
-    std = b.op("Sqrt", [b.op("Add", [var, b.const(np.array(1e-5, np.float32))])])
-    return b.op("Mul", [b.op("Div", [centred, std]), b.const(random_gain(rng, hidden), "ln_gain")])
-
-
-def test_layernorm_is_never_matched_or_touched(rng, optimize):
-    hidden = 16
-    b = GraphBuilder(17)
-    y = _layernorm(b, "x", hidden, rng)
-    fused = b.op("LayerNormalization", [y, b.const(random_gain(rng, hidden)), b.const(np.zeros(hidden, np.float32))])
-    rms = pow_div(b, fused, random_gain(rng, hidden), 1e-5)
-    w = (rng.standard_normal((hidden, 8))).astype(np.float32)
-    out = b.op("MatMul", [rms, b.const(w, "w")])
-    model = b.model([helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", hidden])], [out])
+@pytest.mark.parametrize("spelling", ["ln_decomposed", "layer_normalization"])
+@pytest.mark.parametrize("consumer", ["transposed", "gemm", "biased", "matmul"])
+def test_layernorm_fold_moves_gain_and_bias_and_centres(spelling, consumer, rng):
+    """W_c = centre(diag(g)·W) and c* = b·W + c (Gemm: β·C + α·b·W, β then 1) in float64, each
+    rounded once; the LayerNorm keeps a gain of ones and a bias of zeros; every weight's columns
+    sum to zero up to that rounding."""
+    model = build_norm_model(spelling, rng, consumer=consumer)
     graph = gs.import_onnx(model)
-    sites = find_norm_sites(graph)
-    assert len(sites) == 1 and sites[0].input.name == fused  # only the RMSNorm
-    before = {t.name: numpy_helper.to_array(t).copy() for t in model.graph.initializer if "ln_gain" in t.name}
+    (site,) = find_norm_sites(graph)
+    g, b = site.gain.copy(), site.bias.copy()
+    scales = {n.name: (float(n.attrs.get("alpha", 1.0)), float(n.attrs.get("beta", 1.0))) for n in graph.nodes}
+    transposes = {n.name: n.inputs[1].inputs[0].name for n in graph.nodes if n.op == "MatMul" and n.inputs[1].inputs}
+    originals = {n.name: [t.values.copy() if isinstance(t, gs.Constant) else None for t in n.inputs]
+                 for n in graph.nodes if n.op in ("MatMul", "Gemm", "Transpose", "Add")}
+    graph, report = fold(graph)
+    assert report.count("folded") == 1 and report.decisions[0].details["kind"] == "layer"
+    (after,) = find_norm_sites(graph)
+    assert after.is_weightless and np.all(after.gain == 1) and after.bias is not None and not np.any(after.bias)
+
+    def centred(w64: np.ndarray, axis: int) -> np.ndarray:
+        return w64 - w64.mean(axis=axis, keepdims=True)
+
+    for node in [n for n in graph.nodes if n.op in ("MatMul", "Gemm")]:
+        stored = node.inputs[1]
+        transposed = stored.inputs[0].op == "Transpose" if stored.inputs else False
+        if transposed:
+            stored = stored.inputs[0].inputs[0]
+        original_name = node.name
+        weight = originals[original_name][1] if not transposed else originals[transposes[original_name]][0]
+        axis = 1 if transposed or int(node.attrs.get("transB", 0)) else 0
+        gain = g[None, :] if axis == 1 else g[:, None]
+        np.testing.assert_array_equal(stored.values, centred(weight.astype(np.float64) * gain, axis).astype(np.float32))
+        assert np.max(np.abs(stored.values.astype(np.float64).sum(axis=axis))) < 1e-5 * np.abs(stored.values).sum()
+        bw = weight.astype(np.float64).T @ b if axis == 0 else weight.astype(np.float64) @ b
+        if node.op == "Gemm":
+            c = originals[original_name][2] if len(originals[original_name]) > 2 else None
+            alpha, beta = scales[original_name]
+            expected = alpha * bw + (beta * c.astype(np.float64) if c is not None else 0.0)
+            assert node.attrs["beta"] == 1.0
+            np.testing.assert_array_equal(node.inputs[2].values, expected.astype(np.float32))
+            continue
+        (add,) = node.outputs[0].outputs
+        assert add.op == "Add"
+        c = next((t.values for t in add.inputs if isinstance(t, gs.Constant)), None)
+        old = next((v for v in originals.get(add.name, []) if v is not None), None)  # the bias it had, if any
+        expected = bw + (old.astype(np.float64) if old is not None else 0.0)
+        np.testing.assert_array_equal(c, expected.astype(np.float32))
+
+
+def test_layernorm_fold_is_exact_and_onnxruntime_still_fuses_it(rng, optimize, max_error, tmp_path):
+    """The decomposed LayerNorm with a gain of ones and a bias of zeros is still one fused
+    LayerNormalization for ONNX Runtime (it would not be with the Mul and Add removed)."""
+    import onnxruntime as ort
+
+    def fused_norms(model) -> int:
+        options = ort.SessionOptions()
+        options.log_severity_level = 3
+        options.optimized_model_filepath = str(tmp_path / "ort.onnx")
+        ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+        return sum(n.op_type == "LayerNormalization" for n in onnx.load(str(tmp_path / "ort.onnx")).graph.node)
+
+    model = build_norm_model("ln_decomposed", rng, consumer="biased")
     folded, reports = optimize(model, ["fold"])
     assert reports["fold"].count("folded") == 1
-    after = {t.name: numpy_helper.to_array(t) for t in folded.graph.initializer}
-    for name, value in before.items():
-        np.testing.assert_array_equal(after[name], value)
+    assert max_error(model, folded) < 1e-5
+    assert fused_norms(model) == 1 and fused_norms(folded) == 1
+    _, again = optimize(folded, ["fold"])
+    assert "already weightless (gain all ones, bias all zeros)" in again["fold"].decisions[0].reason
+
+
+@pytest.mark.parametrize("spelling", ["ln_decomposed", "layer_normalization"])
+def test_post_ln_is_refused_with_its_reason(spelling, rng, optimize, max_error):
+    """BERT: every LayerNorm's output is also the residual stream (or the model's output)."""
+    from synthetic import build_post_ln_block
+
+    model = build_post_ln_block(rng, spelling=spelling)
+    folded, reports = optimize(model, ["fold", "defer"])
+    reasons = [d.reason for d in reports["fold"].decisions]
+    assert [d.action for d in reports["fold"].decisions] == ["skipped"] * 3
+    assert sum("post-LN: the normalized tensor is also the residual stream (feeds Add" in r for r in reasons) == 2
+    assert "graph output" in reasons[2]
+    assert sum("post-LN" in d.reason for d in reports["defer"].decisions) == 2
+    assert max_error(model, folded) == 0.0
+
+
+def test_parallel_attention_and_mlp_share_one_folded_layernorm(rng, optimize, max_error):
+    """Falcon: one LayerNorm feeds q, k, v and the MLP's first projection; all four take the
+    gain, the bias and the centring; the final LayerNorm's head gets an Add for b·W."""
+    from synthetic import build_parallel_block
+
+    model = build_parallel_block(rng)
+    folded, reports = optimize(model, ["fold"])
+    assert reports["fold"].count("folded") == 2, reports["fold"].to_dict()
+    assert [len(d.details["consumers"]) for d in reports["fold"].decisions] == [4, 1]
+    assert max_error(model, folded) < 1e-5
+
+
+def test_layernorm_with_a_quantized_consumer_is_refused(rng, optimize, max_error):
+    """A bias and a centring cannot be folded exactly into a quantized weight: the site stays."""
+    hidden, width = 16, 8
+    b = GraphBuilder(21)
+    y = ln_rsqrt_axes_input(b, "x", random_gain(rng, hidden), 1e-5, bias=random_bias(rng, hidden))
+    codes = rng.integers(-100, 100, (hidden, width)).astype(np.int8)
+    scale = b.const(np.full(width, 0.01, np.float32))
+    w = b.op("DequantizeLinear", [b.const(codes, "w_q"), scale], axis=1)  # per output channel: RMS would fold exactly
+    out = b.op("MatMul", [y, w])
+    model = b.model([helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", hidden])], [out])
+    folded, reports = optimize(model, ["fold", "defer"])
+    (decision,) = reports["fold"].decisions
+    assert decision.action == "skipped" and "quantized" in decision.reason and "LayerNorm" in decision.reason
+    assert "centred" in reports["defer"].decisions[0].reason or "run fold first" in reports["defer"].decisions[0].reason
+    assert max_error(model, folded) == 0.0
 
 
 def test_nonlinear_consumer_leaves_site_untouched(rng, optimize, max_error):
@@ -449,3 +539,30 @@ def test_optimize_holds_at_most_one_weight(rng, tmp_path):
     assert folded == "2"
     assert float(growth_mb) < 1.5 * tensor_mb, \
         f"peak grew by {float(growth_mb):.1f} MB (one tensor is {tensor_mb:.0f} MB)"
+
+
+def test_layernorm_in_front_of_a_tied_head_is_untied_not_mutated(rng, optimize):
+    """GPT-2's final LayerNorm feeds the LM head tied to the embedding: kept by default; with
+    --untie the head gets its own folded, centred copy and a bias b·W, the embedding its table."""
+    from synthetic import relative_error, run
+
+    vocab, hidden = 40, 16
+    b = GraphBuilder(17)
+    table = rng.standard_normal((vocab, hidden)).astype(np.float32)
+    embedding = b.const(table, "wte")
+    h = b.op("Gather", [embedding, "ids"], axis=0)
+    y = ln_rsqrt_axes_input(b, h, random_gain(rng, hidden), 1e-5, bias=random_bias(rng, hidden))
+    logits = b.op("MatMul", [y, b.op("Transpose", [embedding], perm=[1, 0])])
+    b.opset = 18
+    model = b.model([helper.make_tensor_value_info("ids", TensorProto.INT64, ["batch", "seq"])], [logits, h])
+    inputs = {"ids": rng.integers(0, vocab, (2, 5)).astype(np.int64)}
+    kept, reports = optimize(model, ["fold"])
+    assert "shared" in reports["fold"].decisions[0].reason and "--untie" in reports["fold"].decisions[0].reason
+    untied, reports = optimize(model, ["fold", "defer"], untie=True)
+    assert reports["fold"].count("folded") == 1 and reports["defer"].count("deferred") == 1
+    (gather,) = [n for n in untied.graph.node if n.op_type == "Gather"]
+    np.testing.assert_array_equal(next(numpy_helper.to_array(t) for t in untied.graph.initializer
+                                       if t.name == gather.input[0]), table)
+    expected, actual = run(model, inputs), run(untied, inputs)
+    assert relative_error(actual[0], expected[0]) < 1e-5
+    np.testing.assert_array_equal(actual[1], expected[1])

@@ -2,8 +2,9 @@
 
 FlashNormMatMulPlugin::supportsFormatCombination (plugins/flashnorm/trt/) accepts a linear
 x of a type `toKernelType` maps (kFLOAT, kHALF, kBF16) and requires W and every output to
-have x's type. The C++ is read here, not run (no TensorRT on CI): its switch is parsed, then
-every deferred node of fp16 and bf16 graphs must satisfy the same rule."""
+have x's type, and a third input (the bias) to be kFLOAT whatever x is. The C++ is read here, not
+run (no TensorRT on CI): its switch is parsed, then every deferred node of fp16 and bf16 graphs must
+satisfy the same rule."""
 
 from __future__ import annotations
 
@@ -34,8 +35,18 @@ def declared_types() -> set[str]:
     return {TRT_TO_NUMPY[c] for c in cases}
 
 
+def declared_bias_type() -> str:
+    """The bias input's type, read from supportsFormatCombination's branch for it."""
+    source = PLUGIN.read_text()
+    found = re.search(r"if \(pos == kBiasInput && nbInputs > kBiasInput\)\s*\{\s*return desc\.type == "
+                      r"nvinfer1::DataType::(k\w+);", source)
+    assert found, "supportsFormatCombination's bias branch not found in the plugin source"
+    return TRT_TO_NUMPY[found.group(1)]
+
+
 def test_plugin_declares_the_contract_types():
     assert declared_types() == set(contract.FLOAT_TYPES)
+    assert declared_bias_type() == contract.BIAS_DTYPE
 
 
 @pytest.mark.parametrize("consumer", CONSUMERS)
@@ -47,7 +58,7 @@ def test_deferred_half_nodes_carry_a_declared_type(dtype, consumer, rng):
     assert nodes
     allowed = declared_types()
     for node in nodes:
-        x, weight = node.inputs
+        x, weight, bias = node.inputs
         assert stored_dtype_name(x) == dtype and stored_dtype_name(x) in allowed
-        assert stored_dtype_name(weight) == dtype
+        assert stored_dtype_name(weight) == dtype and stored_dtype_name(bias) == contract.BIAS_DTYPE
         assert all(stored_dtype_name(o) == dtype for o in node.outputs), [stored_dtype_name(o) for o in node.outputs]

@@ -6,6 +6,7 @@ tensors."""
 from __future__ import annotations
 
 import json
+import re
 
 import numpy as np
 import onnx
@@ -63,6 +64,16 @@ def test_perturbed_model_fails_with_exit_1(tiny_llama_onnx, tmp_path, capsys, rn
     assert report["passed"] is False and report["outputs"][0]["rel_l2"] > 1e-4
 
 
+def test_quiet_still_ends_a_failed_comparison_with_its_verdict_and_seed(tiny_llama_onnx, tmp_path, capsys, rng):
+    _perturbed(tiny_llama_onnx, tmp_path / "bad.onnx", rng)
+    capsys.readouterr()
+    assert cli.main(["compare", str(tiny_llama_onnx), str(tmp_path / "bad.onnx"), "-q", "--seed", "5"]) == 1
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert re.fullmatch(r"flashnorm compare: failed: output logits: max abs \S+, rel L2 \S+ \(atol 0.0001, rtol 0.001, "
+                        r"max rel L2 1e-05\); seed 5 \(--seed 5 replays these inputs\)\n", captured.err), captured.err
+
+
 def test_given_ids_and_past(tiny_llama_onnx, tiny_folded, capsys):
     assert cli.main(["compare", str(tiny_llama_onnx), str(tiny_folded), "--input-ids", "5, 17, 99, 3"]) == 0
     assert "[5, 17, 99, 3] shape [1, 4]" in capsys.readouterr().out
@@ -72,14 +83,31 @@ def test_given_ids_and_past(tiny_llama_onnx, tiny_folded, capsys):
     (["--input-ids", "1,500"], "[0, 128)"),
     (["--past-length", "4"], "needs a model with KV-cache inputs"),
     (["--batch", "0"], "argument --batch: must be at least 1"),
-    (["--sequence", "1000000"], "these sizes need at least"),  # refused before allocating, not OOM-killed
-    (["--generate", "10000000"], "--generate/--tokens: these sizes need at least"),
+    # Refused before allocating, not OOM-killed: the export records the model's context (128 tokens).
+    (["--sequence", "1000000"], "--sequence: 1000000 positions exceed the model's context of 128 tokens"),
+    (["--generate", "10000000"], "--sequence/--generate: 10000016 positions exceed the model's context of 128"),
     (["--providers", "NoSuchExecutionProvider"], "available"),
 ])
 def test_bad_input_is_one_line(tiny_llama_onnx, tiny_folded, capsys, argv_tail, message):
     assert cli.main(["compare", str(tiny_llama_onnx), str(tiny_folded), *argv_tail]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and message in err
+
+
+def test_sizes_beyond_memory_are_refused_where_no_context_is_recorded(tiny_llama_onnx, tmp_path, capsys):
+    import onnx
+
+    model = onnx.load(str(tiny_llama_onnx))
+    kept = [(p.key, p.value) for p in model.metadata_props if p.key != "flashnorm.context_length"]
+    del model.metadata_props[:]
+    onnx.helper.set_model_props(model, dict(kept))
+    onnx.save(model, str(tmp_path / "other-exporter.onnx"))
+    for tail, message in ((["--sequence", "1000000"], "--batch/--sequence/--iterations: these sizes need at least"),
+                          (["--generate", "10000000"], "--generate/--tokens: these sizes need at least")):
+        assert cli.main(["compare", str(tmp_path / "other-exporter.onnx"), str(tmp_path / "other-exporter.onnx"),
+                         *tail]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and message in err, err
 
 
 def test_kv_cache_model_with_a_real_past(session_tmp, tmp_path, capsys):

@@ -41,6 +41,23 @@ def test_demo_refuses_missing_export(tmp_path, capsys):
     assert list(tmp_path.iterdir()) == []
 
 
+def test_a_failed_demo_removes_what_it_made_and_only_that(tmp_path, capsys, monkeypatch):
+    import types
+
+    from flashnorm.export import sources
+
+    # No real model: the run fails while optimizing the (bad) export, after making its folders.
+    monkeypatch.setattr(sources, "resolve_source", lambda *a, **k: types.SimpleNamespace())
+    (tmp_path / "bad.onnx").write_bytes(b"not a model")
+    (tmp_path / "kept").mkdir()
+    (tmp_path / "kept" / "smollm2-135m.flashnorm.onnx").write_bytes(b"the user's")
+    for target in ("made/deeper", "kept"):
+        assert cli.main(["demo", "-o", str(tmp_path / target), "--exported", str(tmp_path / "bad.onnx")]) == 2
+        assert "bad.onnx is not an ONNX model" in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.onnx", "kept"]
+    assert [p.name for p in (tmp_path / "kept").iterdir()] == ["smollm2-135m.flashnorm.onnx"]
+    assert (tmp_path / "kept" / "smollm2-135m.flashnorm.onnx").read_bytes() == b"the user's"
+
 
 @pytest.mark.slow
 def test_demo_fp16(smollm2_fp16_onnx, tmp_path, capsys):

@@ -21,7 +21,7 @@ def test_text_table_lists_sites_and_reasons(tmp_path, rng, capsys):
     assert cli.main(["inspect", str(path)]) == 0
     out = capsys.readouterr().out
     lines = out.splitlines()
-    assert lines[0].split()[:4] == ["#", "site", "spelling", "eps"]
+    assert lines[0].split()[:5] == ["#", "site", "kind", "spelling", "eps"]
     assert sum(1 for line in lines if " decomposed " in line) == 3
     assert "#0 cancel: path reaches graph output" in out  # QK-only: V has no downstream norm
     assert "not a linear op with a constant weight" in out  # per-head norms feed a Transpose
@@ -74,14 +74,35 @@ def test_gemma_convention_and_report_file(tmp_path, rng, capsys):
     assert site["gain_convention"] == "1+w" and site["fold"]["applies"]
 
 
-def test_model_without_rmsnorm_lists_near_misses(tmp_path, rng, capsys):
+def test_model_without_a_norm_lists_near_misses(tmp_path, rng, capsys):
     b = GraphBuilder(17)
-    y = b.op("LayerNormalization", ["x", b.const(random_gain(rng, 8)), b.const(np.zeros(8, np.float32))])
+    y = b.op("LayerNormalization", ["x", b.const(random_gain(rng, 8)), b.const(np.zeros(8, np.float32))], axis=0)
     path = tmp_path / "ln.onnx"
     onnx.save(b.model([helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", 8])], [y]), path)
     assert cli.main(["inspect", str(path)]) == 0
     out = capsys.readouterr().out
-    assert "no RMSNorm sites found" in out and "rejected LayerNormalization" in out
+    assert "no RMSNorm or LayerNorm sites found" in out and "rejected LayerNormalization" in out
+
+
+def test_layernorm_sites_show_their_kind_route_and_refusals(tmp_path, rng, capsys):
+    """A pre-LN site folds and defers; a post-LN one (its output also the residual) is refused,
+    with the reason; cancel says why it is for RMSNorm."""
+    from synthetic import build_post_ln_block
+
+    path = tmp_path / "ln.onnx"
+    onnx.save(build_norm_model("ln_decomposed", rng, consumer="biased"), path)
+    assert cli.main(["inspect", str(path), "--report", "-"]) == 0
+    (site,) = json.loads(capsys.readouterr().out)["sites"]
+    assert site["kind"] == "layer" and site["bias"]["size"] == 32 and not site["weightless"]
+    assert site["fold"]["applies"] and site["defer"]["applies"] and not site["cancel"]["applies"]
+    assert "Proposition 3" in site["cancel"]["reason"]
+
+    onnx.save(build_post_ln_block(rng), path)
+    assert cli.main(["inspect", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert " layer " in out.splitlines()[1]
+    assert "fold: post-LN: the normalized tensor is also the residual stream (feeds Add" in out
+    assert "defer: post-LN: the normalized tensor is also the residual stream" in out
 
 
 def test_not_onnx_is_one_line(tmp_path, capsys):

@@ -69,10 +69,9 @@ def test_untie_flag_reaches_fold(tmp_path, rng):
     assert relative_error(actual, expected) < 1e-5
 
 
-def _layernorm_model(rng) -> onnx.ModelProto:
+def _normless_model(rng) -> onnx.ModelProto:
     b = GraphBuilder(17)
-    y = b.op("LayerNormalization", ["x", b.const(random_gain(rng, 8)), b.const(np.zeros(8, np.float32))])
-    out = b.op("MatMul", [y, b.const(rng.standard_normal((8, 4)).astype(np.float32))])
+    out = b.op("MatMul", [b.op("Relu", ["x"]), b.const(rng.standard_normal((8, 4)).astype(np.float32))])
     return b.model([helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", 8])], [out])
 
 
@@ -85,7 +84,7 @@ def _invalid_model(rng) -> onnx.ModelProto:
 BAD_INPUTS = {
     "not_onnx": (lambda path, rng: path.write_bytes(b"\x00garbage, not a protobuf\xff" * 10), [], "not an ONNX"),
     "invalid_model": (lambda path, rng: onnx.save(_invalid_model(rng), path), [], "not a valid ONNX model"),
-    "no_norms": (lambda path, rng: onnx.save(_layernorm_model(rng), path), [], "no RMSNorm found"),
+    "no_norms": (lambda path, rng: onnx.save(_normless_model(rng), path), [], "no RMSNorm or LayerNorm found"),
     "unknown_pass": (lambda path, rng: onnx.save(build_norm_model("pow_div", rng), path),
                      ["--passes", "fold,magic"], "unknown pass 'magic'"),
     "missing_input": (lambda path, rng: None, [], "does not exist"),

@@ -59,7 +59,9 @@ def _error(capsys) -> str:
 
 @pytest.mark.parametrize("arguments, message", [
     (["--triton-backend", "python"], "--triton-backend python needs --onnx"),
-    (["--engine", "{engine}"], "needs --engine MODEL.plan and --plugin"),
+    ([], "needs --engine MODEL.plan and --plugin"),
+    (["--engine", "{engine}"], "--plugin LIB.so is missing"),
+    (["--engine", "{rtx_engine}", "--plugin", "{plugin}"], "is a TensorRT-RTX plan, which Triton's TensorRT backend cannot load"),
     (["--engine", "{tmp}/absent.plan", "--plugin", "{plugin}", "--io", "in:x:fp32:-1", "--io", "out:y:fp32:-1"],
      "engine .*absent.plan does not exist"),
     (["--engine", "{engine}", "--plugin", "{tmp}/absent.so", "--io", "in:x:fp32:-1", "--io", "out:y:fp32:-1"],
@@ -82,7 +84,9 @@ def test_bad_input_is_one_line_exit_2_and_writes_nothing(arguments, message, tmp
                                                          projection_model, capsys):
     engine, plugin = engine_files
     onnx_path, _ = projection_model()
-    values = {"engine": engine, "plugin": plugin, "onnx": onnx_path, "tmp": tmp_path}
+    rtx_engine = tmp_path / "rtx.plan"
+    rtx_engine.write_bytes(b"vtrt" + engine.read_bytes())  # how a TensorRT-RTX plan starts
+    values = {"engine": engine, "rtx_engine": rtx_engine, "plugin": plugin, "onnx": onnx_path, "tmp": tmp_path}
     argv = ["triton", *(a.format(**values) for a in arguments), "-o", str(tmp_path / "repo")]
     assert cli.main(argv) == 2
     assert re.search(message, _error(capsys))
@@ -153,4 +157,5 @@ def test_engine_repository_without_a_profile_says_it_is_unchecked(tmp_path, engi
                      "-o", str(tmp_path / "repo"), "--report", "-"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["profile"] == {}
-    assert [item.split(" (")[0] for item in report["unchecked_by_config"]] == ["the engine's optimization profile"]
+    assert [item.split(" (")[0] for item in report["unchecked_by_config"]] == ["the engine's optimization profile",
+                                                                             "finite values of x"]

@@ -11,20 +11,24 @@ transformers loads the result and computes the same function.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 import shutil
 import time
+import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from flashnorm.checkpoint.shards import (
-    INDEX_NAME, BlockBuffers, Planned, SafetensorsSource, StateDictSource, TensorSource, row_blocks, write_shard,
+    INDEX_NAME, BlockBuffers, Planned, SafetensorsSource, StateDictSource, TensorSource, write_shard,
 )
-from flashnorm.checkpoint.sites import NormSite, probe_structure
+from flashnorm.checkpoint.sites import NormSite, loaded_structure, probe_structure
 from flashnorm.errors import FlashNormError
+from flashnorm.export.checks import check_model_directory, read_json
 from flashnorm.files import staged_directory
 from flashnorm.progress import ByteProgress
+from flashnorm.quantization_aware import Candidate, Rule, int8_error_estimate, rule
 
 if TYPE_CHECKING:
     from flashnorm.export.sources import ModelSource
@@ -46,12 +50,11 @@ def fold_checkpoint(source: ModelSource | str | os.PathLike[str], output: str | 
     For a GGUF source, `model` may be the already loaded float32 model (as `load_causal_lm`
     gives it), which saves dequantizing the file again.
 
-    With `int8_limit`, a norm whose fold is estimated (`int8_error_estimate`) to raise its
-    consumers' int8 per-channel quantization error by more than that factor keeps its gain,
-    with the estimate as the reason: for checkpoints that will be quantized after folding.
-    With `for_quantization` (a `passes.quantization_aware.FORMATS` name), only the sites that
-    `select_sites` picks for that quantizer fold (the same selection as `flashnorm optimize
-    --passes fold --for-quantization`).
+    With `for_quantization` (a `flashnorm.quantization_aware.FORMATS` name), only the sites that
+    selection picks for that later quantizer fold (the same selection as `flashnorm optimize
+    --passes fold --for-quantization`). `int8_limit` (deprecated: `for_quantization='int8'`
+    replaces it) leaves a norm unfolded where folding is estimated (`int8_error_estimate`) to
+    raise its consumers' int8 per-channel error by more than that factor.
 
     The output is staged in a temporary directory beside it and renamed into place at the
     end (flashnorm.files.staged_directory; a non-empty `output` is replaced only with
@@ -63,19 +66,17 @@ def fold_checkpoint(source: ModelSource | str | os.PathLike[str], output: str | 
         source = _Directory(Path(source))
     if dtype not in DTYPES:
         raise FlashNormError(f"--dtype {dtype} is not one of {', '.join(DTYPES)}")
-    if for_quantization is not None:
-        from flashnorm.passes.quantization_aware import FORMATS
-
-        if for_quantization not in FORMATS:
-            raise FlashNormError(f"unknown quantization format {for_quantization!r}; choose from {', '.join(FORMATS)}")
-    if int8_limit is not None and not int8_limit >= 1.0:
-        raise FlashNormError(f"--int8-limit {int8_limit} is below 1 (the factor by which folding may raise int8 error)")
+    selection_rule = rule(for_quantization, int8_limit)
+    if int8_limit is not None:
+        warnings.warn("fold_checkpoint's int8_limit is deprecated: for_quantization='int8' replaces it "
+                      "(docs/CHECKPOINTS.md)", DeprecationWarning, stacklevel=2)
     destination = Path(output)
     tensors: TensorSource | None = None
     with staged_directory(destination, force) as stage:
         try:
-            tensors, structure, gains, growth, shards, predicted = _fold_into(stage, source, untie, dtype, model,
-                                                                              int8_limit, for_quantization)
+            tensors, structure, gains, growth, shards, estimates = _fold_into(stage, source, untie, dtype, model,
+                                                                              selection_rule)
+            tensors.check_unchanged()  # a source file replaced or rewritten meanwhile: nothing is put in place
         finally:
             if tensors is not None:
                 tensors.close()
@@ -84,13 +85,12 @@ def fold_checkpoint(source: ModelSource | str | os.PathLike[str], output: str | 
     if for_quantization:
         report["for_quantization"] = for_quantization
         for site in report["sites"]:
-            if site["name"] in predicted:
-                site["predicted_error_ratio"] = predicted[site["name"]]
+            if site["name"] in estimates:
+                site["predicted_error_ratio"] = estimates[site["name"]]
     return report
 
 
-def _fold_into(stage: Path, source: Any, untie: bool, dtype: str, model: Any, int8_limit: float | None,
-               for_quantization: str | None = None) -> tuple:
+def _fold_into(stage: Path, source: Any, untie: bool, dtype: str, model: Any, selection_rule: Rule | None) -> tuple:
     """Everything fold_checkpoint writes, into the empty directory `stage`."""
     tensors: TensorSource | None = None
     try:
@@ -99,11 +99,10 @@ def _fold_into(stage: Path, source: Any, untie: bool, dtype: str, model: Any, in
         else:
             config, tensors = _directory(source)
         structure = probe_structure(config, untie=untie)
-        _check_names(structure.sites, tensors, structure.architecture)
+        _check_names(structure.sites, tensors, structure.architecture, getattr(config, "quantization_config", None))
+        _refuse_quantized(structure.sites, tensors, source)
         gains = _gains(structure.sites, tensors)
-        if int8_limit is not None:
-            _keep_int8_risky(structure.sites, tensors, gains, int8_limit)
-        predicted = _keep_for_quantization(structure.sites, tensors, gains, for_quantization) if for_quantization else {}
+        estimates = _select(structure.sites, tensors, gains, selection_rule) if selection_rule else {}
         growth: dict[str, dict[str, float]] = {}
         shards, total = _plan(structure.sites, tensors, gains, dtype, growth)
         _write(stage, shards, total, indexed=source.gguf_file is None and (source.directory / INDEX_NAME).is_file())
@@ -117,25 +116,33 @@ def _fold_into(stage: Path, source: Any, untie: bool, dtype: str, model: Any, in
         if tensors is not None:
             tensors.close()
         raise
-    return tensors, structure, gains, growth, shards, predicted
+    return tensors, structure, gains, growth, shards, estimates
 
 
 def fold_loaded_model(model: Any, *, round_to: str | None = None) -> dict[str, Any]:
-    """Fold every foldable norm of an already loaded transformers model in place (tied heads
-    stay tied, so the final norm of a tied model keeps its gain): each consumer's weight
-    becomes W·diag(g) computed in float64 and rounded once, to `round_to` (a torch dtype name,
-    e.g. 'float16') when the model will be cast to it afterwards, else to the weight's own
-    dtype; the norm's weight becomes its identity. The same weights `fold_checkpoint(...,
-    dtype=round_to)` writes, for `flashnorm export --fold`. Returns {folded, left_alone, sites}."""
+    """Fold every foldable norm of an already loaded transformers model — a causal LM or an
+    encoder, RMSNorm or LayerNorm (`sites.loaded_structure`) — in place (tied heads stay tied,
+    so the final norm of a tied model keeps its gain): each consumer's weight becomes
+    W·diag(g) computed in float64 and rounded once, to `round_to` (a torch dtype name, e.g.
+    'float16') when the model will be cast to it afterwards, else to the weight's own dtype;
+    the norm's weight becomes its identity. For RMSNorms the same weights `fold_checkpoint(...,
+    dtype=round_to)` writes; LayerNorms: `_fold_layer_norm`. For `flashnorm export --fold`.
+    Returns {architecture, folded, left_alone, sites_left_alone}."""
     import torch
 
-    structure = probe_structure(model.config, untie=False)
+    structure = loaded_structure(model)
     modules = dict(model.named_modules())
     folded, alone = [], []
     with torch.no_grad():
         for site in structure.sites:
             if not site.folded:
                 alone.append({"name": site.name, "reason": site.reason})
+                continue
+            if site.kind == "layer":
+                if _fold_layer_norm(modules[site.name], [modules[lin] for lin in site.linears], round_to):
+                    folded.append(site.name)
+                else:
+                    alone.append({"name": site.name, "reason": "its gain and bias are already the identity (weightless)"})
                 continue
             norm = modules[site.name]
             gain = norm.weight.detach().to(torch.float64)
@@ -156,6 +163,48 @@ def fold_loaded_model(model: Any, *, round_to: str | None = None) -> dict[str, A
             "sites_left_alone": alone}
 
 
+def _fold_layer_norm(norm: Any, linears: list[Any], round_to: str | None) -> bool:
+    """Fold a LayerNorm's gain g and bias b into the linear layers that read it, and centre
+    them, in float64 with one rounding (to `round_to`, else each tensor's own dtype):
+
+        W* = W·diag(g),  c* = c + W·b,  W_c = W* − mean over the input axis of W*
+
+    (nn.Linear stores W as [out, in]; GPT-2's Conv1D as [in, out]). After centring, every row
+    of W_c sums to zero over the input channels, so x·W_cᵀ = (x − μ)·W_cᵀ: the consumer no
+    longer needs the mean, and the LayerNorm, left with weight 1 and bias 0, still computes
+    the same function. A linear without a bias gets one (b·W is rarely zero). Returns False
+    (nothing changed) when g is all ones and b all zeros."""
+    import torch
+
+    gain = norm.weight.detach().to(torch.float64)
+    shift = norm.bias.detach().to(torch.float64) if getattr(norm, "bias", None) is not None else torch.zeros_like(gain)
+    if bool(torch.all(gain == 1.0)) and not bool(torch.any(shift)):
+        return False
+
+    def rounded(value: Any, like: Any) -> Any:
+        if round_to is not None:
+            value = value.to(getattr(torch, round_to))
+        return value.to(like.dtype)
+
+    for linear in linears:
+        conv1d = type(linear).__name__ == "Conv1D"
+        weight = linear.weight.detach().to(torch.float64)
+        weight = weight.T if conv1d else weight  # [out, in]
+        bias = linear.bias.detach().to(torch.float64) if linear.bias is not None else torch.zeros(weight.shape[0], dtype=torch.float64)
+        scaled = weight * gain
+        centred = scaled - scaled.mean(dim=1, keepdim=True)
+        new_bias = bias + weight @ shift
+        linear.weight.copy_(rounded(centred.T if conv1d else centred, linear.weight))
+        if linear.bias is None:
+            linear.bias = torch.nn.Parameter(rounded(new_bias, linear.weight), requires_grad=False)
+        else:
+            linear.bias.copy_(rounded(new_bias, linear.bias))
+    norm.weight.fill_(1.0)
+    if getattr(norm, "bias", None) is not None:
+        norm.bias.zero_()
+    return True
+
+
 @dataclasses.dataclass(frozen=True)
 class _Directory:
     """A Hugging Face directory given by path (what ModelSource is for one, without needing
@@ -171,10 +220,10 @@ class _Directory:
 def _directory(source: ModelSource) -> tuple[Any, TensorSource]:
     from transformers import AutoConfig
 
-    try:
-        raw = json.loads((source.directory / "config.json").read_text())
-    except (OSError, ValueError) as exc:
-        raise FlashNormError(f"{source.describe()} is not a Hugging Face model directory: config.json: {exc}") from None
+    check_model_directory(source.directory)  # no FIFO, device or symlink out of the folder is read below
+    raw = read_json(source.directory / "config.json", "config")
+    if not isinstance(raw, dict):
+        raise FlashNormError(f"{source.describe()} is not a Hugging Face model directory: config.json is not an object")
     _refuse_folded(raw, source)
     try:
         config = AutoConfig.from_pretrained(str(source.directory), local_files_only=True)
@@ -206,13 +255,20 @@ def _gguf(source: ModelSource, stage: Path, model: Any) -> tuple[Any, TensorSour
     return model.config, StateDictSource(model.state_dict())
 
 
-def _check_names(sites: list[NormSite], tensors: TensorSource, architecture: str) -> None:
+def _check_names(sites: list[NormSite], tensors: TensorSource, architecture: str, quantization: Any = None) -> None:
+    """Every tensor a fold reads exists, and no linear layer reads two norms. `quantization`: the
+    config's quantization_config, which explains missing weights (GPTQ, AWQ store qweight)."""
     stored = {info.name for infos in tensors.shards.values() for info in infos}
     for site in sites:
         if not site.folded:
             continue
         needed = [site.weight] + [site.tied.get(lin, f"{lin}.weight") for lin in site.linears]
         missing = [name for name in needed if name not in stored]
+        if missing and quantization:
+            method = quantization.get("quant_method", "?") if isinstance(quantization, dict) else "?"
+            raise FlashNormError(f"{architecture}: the checkpoint has no tensor {missing[0]}: it is quantized "
+                                 f"(quantization_config quant_method {method!r}); fold-checkpoint folds float "
+                                 "checkpoints: fold before quantizing (--for-quantization)")
         if missing:
             raise FlashNormError(f"{architecture}: the checkpoint has no tensor {missing[0]} "
                                  f"(its names differ from transformers' module names)")
@@ -243,64 +299,45 @@ def _gains(sites: list[NormSite], tensors: TensorSource) -> dict[str, Any]:
     return gains
 
 
-def int8_error_estimate(row_growth_medians: list[float], gain: Any) -> float:
-    """By how much folding `gain` raises int8 per-channel weight quantization error at one
-    site, from the weights alone. A consumer row's quantization step is its largest |w|, which
-    the fold multiplies by that row's range growth; the error it causes scales with the step
-    times the norm of the row's input, which the fold divides by about the gain's RMS (x∘g
-    before, x after, for an x of even magnitude across channels). The median row of the worst
-    consumer. On SmolLM2-135M it ranks the sites whose unfolding brings the measured int8 logits
-    error back under 1.1× (docs/CHECKPOINTS.md)."""
-    rms = float(gain.pow(2).mean().sqrt())
-    return max(row_growth_medians) / rms if rms > 0 else float("inf")
-
-
-def _keep_int8_risky(sites: list[NormSite], tensors: TensorSource, gains: dict[str, Any], limit: float) -> None:
-    """Leave alone every site whose int8_error_estimate exceeds `limit` (one extra read of its
-    consumers' weights, block by block)."""
-    buffers = BlockBuffers()
+def _refuse_quantized(sites: list[NormSite], tensors: TensorSource, source: Any) -> None:
+    """One line where a weight a fold would scale is stored quantized (int8, fp8, packed 4-bit...:
+    `flashnorm.match.quantized`'s answer): its scale lives in another tensor, and g·W rounded to
+    the codes' type would be neither the fold nor the quantization. Asked only of weights not
+    stored as a float type of 16 bits or more, so a float checkpoint folds where onnx-graphsurgeon
+    (which match/ needs) is not installed (the GPU machine: benchmarks/checkpoint_decode.py)."""
     for site in sites:
-        if site.name not in gains:
-            continue
-        medians = []
         for lin in site.linears:
             name = site.tied.get(lin, f"{lin}.weight")
-            before, after = [], []
-            for start, stop in row_blocks(tensors.info(name).shape):
-                _, low, high = _scaled_rows(tensors.rows(name, start, stop), gains[site.name], buffers)
-                before.append(low)
-                after.append(high)
-            medians.append(_growth_summary(before, after).get("median", 1.0))
-        estimate = int8_error_estimate(medians, gains[site.name])
-        if estimate > limit:
-            site.reason = f"folding would raise its consumers' int8 error about {estimate:.2f}× (--int8-limit {limit:g})"
-            site.linears, site.tied = [], {}
-            del gains[site.name]
+            dtype = tensors.info(name).dtype
+            if dtype.is_floating_point and dtype.itemsize >= 2:
+                continue
+            from flashnorm.match.quantized import is_quantized_storage
+
+            stored = str(dtype).removeprefix("torch.")
+            if is_quantized_storage(stored):
+                raise FlashNormError(f"{source.describe()}: {name} is stored as {stored} (a quantized checkpoint); "
+                                     "fold-checkpoint folds float checkpoints: fold before quantizing "
+                                     "(--for-quantization), or fold the quantized ONNX export (optimize --passes fold)")
 
 
-def _keep_for_quantization(sites: list[NormSite], tensors: TensorSource, gains: dict[str, Any],
-                           format_name: str) -> dict[str, float]:
-    """Leave alone the sites `select_sites` does not pick for `format_name`; returns every
-    foldable site's predicted error ratio. nn.Linear stores [out, in]: the gain runs over axis 1."""
+def _select(sites: list[NormSite], tensors: TensorSource, gains: dict[str, Any], selection_rule: Rule) -> dict[str, float]:
+    """Leave alone the sites `selection_rule` keeps, with its reason; returns every foldable
+    site's estimate. nn.Linear stores [out, in]: the gain runs over axis 1."""
     import torch
 
-    from flashnorm.passes.quantization_aware import FORMATS, select_sites, site_error
+    def weights(site: NormSite) -> list[tuple[Any, int]]:
+        return [(tensors.read(site.tied.get(lin, f"{lin}.weight")).to(torch.float64).numpy(), 1)
+                for lin in site.linears]
 
-    fmt = FORMATS[format_name]
-    errors = []
+    candidates = [Candidate(site.name, gains[site.name].numpy(), functools.partial(weights, site))
+                  for site in sites if site.name in gains]
+    selection = selection_rule.select(candidates)
     for site in sites:
-        if site.name not in gains:
-            continue
-        weights = [(tensors.read(site.tied.get(lin, f"{lin}.weight")).to(torch.float64).numpy(), 1)
-                   for lin in site.linears]
-        errors.append(site_error(site.name, weights, gains[site.name].numpy(), fmt))
-    keep = select_sites(errors, fmt)
-    for site in sites:
-        reason = keep.get(site.name)
+        reason = selection.kept.get(site.name)
         if reason:
             site.reason, site.linears, site.tied = reason, [], {}
             del gains[site.name]
-    return {e.name: round(e.ratio, 4) for e in errors}
+    return selection.estimates
 
 
 def _scaled_rows(rows: Any, gain: Any, buffers: BlockBuffers) -> tuple[Any, Any, Any]:

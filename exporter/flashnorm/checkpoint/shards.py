@@ -14,16 +14,21 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import struct
 import sys
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
 from flashnorm.errors import FlashNormError
+from flashnorm.export.checks import (
+    SAFETENSORS_INDEX, SAFETENSORS_SINGLE, check_model_directory, model_file, safetensors_shards,
+)
+from flashnorm.untrusted import InputFile, Unchanged
 
-INDEX_NAME = "model.safetensors.index.json"
-SINGLE_NAME = "model.safetensors"
+INDEX_NAME = SAFETENSORS_INDEX
+SINGLE_NAME = SAFETENSORS_SINGLE
+MAX_HEADER_BYTES = 100 << 20
+"""safetensors' own limit on a header (its Rust reader refuses more)."""
 BLOCK_BYTES = 64 << 20
 """Rows are read, folded (in float64) and written in blocks of about this many bytes."""
 
@@ -103,66 +108,58 @@ class TensorSource:
         info = self.info(name)
         return self.rows(name, 0, info.shape[0] if info.shape else 0).clone()
 
+    def check_unchanged(self) -> None:
+        """Refuse (one line) if a file the tensors were read from changed since it was opened."""
+
     def close(self) -> None:
         pass
 
 
 class SafetensorsSource(TensorSource):
     """The safetensors shards of a Hugging Face directory (single file or indexed), read a
-    block of rows at a time into one reused buffer; one shard file is open at a time."""
+    block of rows at a time into one reused buffer. Each shard is opened once, when the
+    source is made (`flashnorm.untrusted.InputFile`: a regular file inside the directory),
+    and read through that descriptor to the end; `check_unchanged()` refuses a shard, or any
+    other file of the directory, that was replaced or rewritten since."""
 
     def __init__(self, directory: Path) -> None:
         if sys.byteorder != "little":
             raise FlashNormError("safetensors data is little-endian; this machine is not")
         self.directory = directory
-        index = directory / INDEX_NAME
-        if index.is_file():
-            try:
-                weight_map = json.loads(index.read_text())["weight_map"]
-            except (OSError, ValueError, KeyError, TypeError) as exc:
-                raise FlashNormError(f"{index} is not a safetensors index: {exc}") from None
-            files = list(dict.fromkeys(weight_map.values()))
-        elif (directory / SINGLE_NAME).is_file():
-            files = [SINGLE_NAME]
-        else:
+        self._folder = Unchanged((path, "checkpoint file") for path in check_model_directory(directory))
+        files = safetensors_shards(directory)
+        if files is None:
             found = sorted(p.name for p in directory.iterdir() if p.suffix in (".bin", ".pt", ".pth", ".safetensors"))
             hint = f" (it holds {', '.join(found)})" if found else ""
             raise FlashNormError(f"{directory} has no {SINGLE_NAME} or {INDEX_NAME}{hint}")
-        self._open: tuple[str, int] | None = None
+        self._files: dict[str, InputFile] = {}
         self._where: dict[str, tuple[str, int]] = {}  # name → (file, absolute offset of its data)
         self._buffers = BlockBuffers()
         self.shards = {}
-        for file in files:
-            path = directory / file
-            if not path.is_file():
-                raise FlashNormError(f"{path} is listed in the index but does not exist")
-            self.shards[file] = self._index(path, file)
+        try:
+            for file in files:
+                self._files[file] = InputFile(model_file(directory, file, "safetensors shard"), "safetensors shard")
+                self.shards[file] = self._index(self._files[file], file)
+        except BaseException:
+            self.close()
+            raise
 
-    def _index(self, path: Path, file: str) -> list[TensorInfo]:
-        header, data_start = read_header(path, with_data_start=True)
-        data_size = path.stat().st_size - data_start
+    def _index(self, shard: InputFile, file: str) -> list[TensorInfo]:
+        header, data_start = _read_header(shard)
+        data_size = shard.size - data_start
         infos = []
-        for name in sorted((k for k in header if k != "__metadata__"), key=lambda k: header[k]["data_offsets"][0]):
-            try:
-                info = TensorInfo(name, torch_dtype(header[name]["dtype"]), tuple(int(d) for d in header[name]["shape"]))
-                begin, end = (int(o) for o in header[name]["data_offsets"])
-            except (KeyError, TypeError, ValueError) as exc:
-                raise FlashNormError(f"{path} is not a safetensors file: bad entry for {name} ({exc})") from None
+        for name, begin, end, info in sorted(_entries(header, shard.path), key=lambda entry: entry[1]):
+            if name in self._where:
+                raise FlashNormError(f"{shard.path}: tensor {name} is also stored in {self._where[name][0]}")
             count = 1
             for d in info.shape:
                 count *= d
             if end - begin != count * info.dtype.itemsize or not 0 <= begin <= end <= data_size:
-                raise FlashNormError(f"{path} is not a safetensors file: {name}'s data_offsets [{begin}, {end}] do not "
-                                     f"fit its shape {list(info.shape)} and the file's {data_size} data bytes")
+                raise FlashNormError(f"{shard.path} is not a safetensors file: {name}'s data_offsets [{begin}, {end}] "
+                                     f"do not fit its shape {list(info.shape)} and the file's {data_size} data bytes")
             infos.append(info)
             self._where[name] = (file, data_start + begin)
         return infos
-
-    def _descriptor(self, file: str) -> int:
-        if self._open is None or self._open[0] != file:
-            self.close()
-            self._open = (file, os.open(self.directory / file, os.O_RDONLY))
-        return self._open[1]
 
     def rows(self, name: str, start: int, stop: int):
         file, offset = self._where[name]
@@ -170,46 +167,71 @@ class SafetensorsSource(TensorSource):
         shape = info.shape if not info.shape else (stop - start, *info.shape[1:])
         block = self._buffers.take("read", info.dtype, shape)
         row_bytes = block[0].numel() * info.dtype.itemsize if info.shape and shape[0] else 0
-        _read_exactly(self._descriptor(file), block, offset + start * row_bytes, self.directory / file)
+        view = memoryview(block.reshape(-1).view(_byte_dtype()).numpy())
+        self._files[file].read_into(view, offset + start * row_bytes)
         return block
 
     def info(self, name: str) -> TensorInfo:
         file, _ = self._where[name]
         return next(i for i in self.shards[file] if i.name == name)
 
+    def check_unchanged(self) -> None:
+        """Refuse (one line) a shard, or any other file of the directory (config, tokenizer),
+        replaced or rewritten since the source was made."""
+        for shard in self._files.values():
+            shard.check_unchanged()
+        self._folder.check()
+
     def close(self) -> None:
-        if self._open is not None:
-            descriptor, self._open = self._open[1], None
-            os.close(descriptor)
+        for shard in self._files.values():
+            shard.close()
 
 
-def _read_exactly(descriptor: int, block: Any, offset: int, path: Path) -> None:
-    view = memoryview(block.reshape(-1).view(_byte_dtype()).numpy())
-    done = 0
-    while done < len(view):
-        count = os.preadv(descriptor, [view[done:]], offset + done)
-        if count == 0:
-            raise FlashNormError(f"{path} ended early: it was truncated while being read")
-        done += count
-
-
-def read_header(path: Path, *, with_data_start: bool = False) -> Any:
-    """The JSON header of the safetensors file at `path`; with `with_data_start`, also the
-    file offset where tensor data begins."""
-    with open(path, "rb") as handle:
-        raw = handle.read(8)
-        if len(raw) != 8:
-            raise FlashNormError(f"{path} is not a safetensors file: shorter than 8 bytes")
-        (size,) = struct.unpack("<Q", raw)
-        if size > 100 << 20:
-            raise FlashNormError(f"{path} is not a safetensors file: header of {size} bytes")
+def _entries(header: dict[str, Any], path: Path) -> Iterator[tuple[str, int, int, TensorInfo]]:
+    """(name, begin, end, info) of every tensor a safetensors header describes, each field
+    checked: a dtype we read, a shape of non-negative integers, two integer data offsets."""
+    for name, entry in header.items():
+        if name == "__metadata__":
+            continue
         try:
-            header = json.loads(handle.read(size))
-        except ValueError as exc:
-            raise FlashNormError(f"{path} is not a safetensors file: {exc}") from None
-    if not isinstance(header, dict):
-        raise FlashNormError(f"{path} is not a safetensors file: its header is not a JSON object")
-    return (header, 8 + size) if with_data_start else header
+            shape, offsets = entry["shape"], entry["data_offsets"]
+            if not isinstance(entry["dtype"], str) or not isinstance(shape, list) or not isinstance(offsets, list):
+                raise TypeError("dtype, shape and data_offsets must be a string and two lists")
+            if len(offsets) != 2 or not all(type(v) is int and v >= 0 for v in [*shape, *offsets]):
+                raise ValueError("shape and data_offsets must hold non-negative integers, data_offsets two")
+            info = TensorInfo(name, torch_dtype(entry["dtype"]), tuple(shape))
+        except (KeyError, TypeError, ValueError) as exc:
+            raise FlashNormError(f"{path} is not a safetensors file: bad entry for {name} ({exc})") from None
+        yield name, offsets[0], offsets[1], info
+
+
+def _read_header(shard: InputFile) -> tuple[dict[str, Any], int]:
+    """The JSON header of a safetensors file and the offset where its tensor data begins; its
+    declared length checked against the file and a cap before anything is read."""
+    path = shard.path
+    if shard.size < 8:
+        raise FlashNormError(f"{path} is not a safetensors file: shorter than 8 bytes")
+    (size,) = struct.unpack("<Q", shard.read_at(0, 8))
+    if size > MAX_HEADER_BYTES or 8 + size > shard.size:
+        raise FlashNormError(f"{path} is not a safetensors file: a header of {size} bytes "
+                             f"(the file has {shard.size}, the limit is {MAX_HEADER_BYTES})")
+    try:
+        header = json.loads(shard.read_at(8, size))
+    except (ValueError, RecursionError) as exc:
+        reason = "nested too deeply" if isinstance(exc, RecursionError) else str(exc).splitlines()[0]
+        raise FlashNormError(f"{path} is not a safetensors file: {reason}") from None
+    if not isinstance(header, dict) or not all(isinstance(v, dict) for v in header.values()):
+        raise FlashNormError(f"{path} is not a safetensors file: its header is not a JSON object of objects")
+    return header, 8 + size
+
+
+def read_header(path: Path) -> dict[str, Any]:
+    """The JSON header of the safetensors file at `path` (checked as the fold reads it)."""
+    shard = InputFile(path, "safetensors file")
+    try:
+        return _read_header(shard)[0]
+    finally:
+        shard.close()
 
 
 class StateDictSource(TensorSource):

@@ -1,4 +1,4 @@
-"""Which RMSNorms of a Hugging Face causal LM can be folded, derived from the model itself.
+"""Which norms of a Hugging Face model can be folded, derived from the model itself.
 
 A small instance of the architecture (the checkpoint's own config, at most two decoder
 layers, a small vocabulary, random weights) runs one forward pass while a torch function mode
@@ -7,6 +7,13 @@ folded only when every consumer of its output is a linear layer reading it as it
 selection on the token axes, `h[:, -k:, :]` before an LM head, is followed through). Each norm
 module's gain convention is measured, not looked up: `w` when a zero weight gives a zero
 output, `1+w` (Gemma 1-3) when a zero weight gives the plain normalized input.
+
+`probe_structure` (fold_checkpoint) traces RMSNorms of causal LMs. `loaded_structure`
+(`flashnorm export --fold`) traces an already loaded model of any kind, causal LM or encoder,
+RMSNorms and LayerNorms (kind 'layer': a gain, a bias, and the mean the fold centres out of
+the consumers' weights); a norm whose output is also a model output (an encoder's
+last_hidden_state) is left alone. GPT-2's Conv1D ([in, out] weights, `addmm` on a flattened
+input) counts as a linear layer.
 """
 
 from __future__ import annotations
@@ -45,6 +52,9 @@ class NormSite:
     reason: str = ""
     """Why the site is left alone; empty when it is folded."""
 
+    kind: str = "rms"
+    """'rms' or 'layer' (LayerNorm: its bias is `<name>.bias`, the fold also centres)."""
+
     @property
     def folded(self) -> bool:
         return not self.reason
@@ -78,6 +88,49 @@ def probe_structure(config: Any, *, untie: bool) -> Structure:
     del model
     gc.collect()  # the probe's weights go now, not whenever a cycle collection happens to run
     return Structure(architecture, _all_layers(sites, layer_list, layers, architecture, untie))
+
+
+def loaded_structure(model: Any) -> Structure:
+    """The norm sites (RMSNorm and LayerNorm) of an already loaded model — a causal LM or an
+    encoder — traced on the model itself with one small forward pass (`_probe_inputs`); tied
+    linear weights keep their norm's gain, as `probe_structure(untie=False)` decides."""
+    architecture = _architecture(model.config)
+    sites = _trace(model, architecture, layer_norms=True, inputs=_probe_inputs(model), outputs_read=True)
+    if not sites:
+        raise FlashNormError(f"unsupported architecture {architecture}: it has no RMSNorm or LayerNorm module")
+    for site in sites.values():
+        if site.tied:
+            pairs = ", ".join(f"{k} is tied to {v}" for k, v in site.tied.items())
+            site.reason, site.linears = f"{pairs} (the tie is kept)", []
+    return Structure(architecture, list(sites.values()))
+
+
+def _probe_inputs(model: Any) -> dict[str, Any]:
+    """The smallest inputs the model's forward takes, by the names it accepts: a few token ids,
+    one image of the configured size, one Whisper input of its fixed length."""
+    import inspect
+
+    import torch
+
+    config = model.config
+    accepted = inspect.signature(model.forward).parameters
+    generator = torch.Generator().manual_seed(0)
+    dtype = next(model.parameters()).dtype
+    inputs: dict[str, Any] = {}
+    if "pixel_values" in accepted:
+        size, channels = int(config.image_size), int(getattr(config, "num_channels", 3))
+        inputs["pixel_values"] = torch.randn(1, channels, size, size, generator=generator).to(dtype)
+    elif "input_features" in accepted:
+        frames = 2 * int(config.max_source_positions)
+        inputs["input_features"] = torch.randn(1, int(config.num_mel_bins), frames, generator=generator).to(dtype)
+    else:
+        vocabulary = max(1, int(getattr(config, "vocab_size", 4)))
+        inputs["input_ids"] = torch.arange(4, dtype=torch.long).unsqueeze(0) % vocabulary
+    if "decoder_input_ids" in accepted:
+        inputs["decoder_input_ids"] = torch.zeros(1, 2, dtype=torch.long)
+    if "use_cache" in accepted:
+        inputs["use_cache"] = False
+    return inputs
 
 
 def _architecture(config: Any) -> str:
@@ -125,6 +178,37 @@ def _is_norm(module: Any) -> bool:
     return "rmsnorm" in type(module).__name__.lower()
 
 
+def _is_layer_norm(module: Any) -> bool:
+    import torch
+
+    return isinstance(module, torch.nn.LayerNorm) or type(module).__name__.lower().endswith("layernorm") and not _is_norm(module)
+
+
+def _layer_norm_convention(module: Any) -> str:
+    """'w' when the module computes F.layer_norm over its last axis with its weight and bias
+    (measured on a float32 copy), 'none' otherwise (no per-channel affine, or another function)."""
+    import torch
+
+    weight = getattr(module, "weight", None)
+    if not isinstance(weight, torch.nn.Parameter) or weight.ndim != 1 or weight.numel() < 2:
+        return "none"
+    probe = copy.deepcopy(module).float()
+    size = weight.numel()
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(3, size, generator=generator) * 2 + 0.5
+    gain, shift = torch.rand(size, generator=generator) + 0.5, torch.randn(size, generator=generator)
+    eps = float(getattr(module, "eps", getattr(module, "variance_epsilon", 1e-5)))
+    with torch.no_grad():
+        probe.weight.copy_(gain)
+        if getattr(probe, "bias", None) is not None:
+            probe.bias.copy_(shift)
+        else:
+            shift = None
+        got = probe(x)
+    want = torch.nn.functional.layer_norm(x, (size,), gain, shift, eps)
+    return "w" if got.shape == want.shape and torch.allclose(got, want, rtol=1e-5, atol=1e-5) else "none"
+
+
 def _convention(module: Any) -> str:
     """'w' or '1+w' as measured on a float32 copy of the module, 'none' otherwise."""
     import torch
@@ -160,15 +244,25 @@ def _keeps_last_axis(index: Any) -> bool:
     return isinstance(last, slice) and last == slice(None) and Ellipsis not in index[:-1]
 
 
-def _trace(model: Any, architecture: str) -> dict[str, NormSite]:
-    """One forward pass of `model`; every RMSNorm module's consumers and convention."""
+def _is_conv1d(module: Any) -> bool:
+    """GPT-2's Conv1D: a linear layer storing its weight [in, out] and computing addmm."""
+    return type(module).__name__ == "Conv1D" and getattr(module, "weight", None) is not None and module.weight.ndim == 2
+
+
+def _trace(model: Any, architecture: str, *, layer_norms: bool = False, inputs: dict[str, Any] | None = None,
+           outputs_read: bool = False) -> dict[str, NormSite]:
+    """One forward pass of `model` (on `inputs`, default a few token ids); every RMSNorm
+    module's (with `layer_norms`, every LayerNorm's too) consumers and convention. With
+    `outputs_read`, a norm output that is also a model output counts as read by 'op output'."""
     import torch
     from torch.overrides import TorchFunctionMode
     from torch.utils._pytree import tree_leaves
 
-    linear_of = {id(m.weight): name for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
-    linear_in = {name: m.in_features for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+    linears = {name: m for name, m in model.named_modules() if isinstance(m, torch.nn.Linear) or _is_conv1d(m)}
+    linear_of = {id(m.weight): name for name, m in linears.items()}
+    linear_in = {name: m.weight.shape[0] if _is_conv1d(m) else m.in_features for name, m in linears.items()}
     watched: dict[int, str] = {}
+    transposed_of: dict[int, str] = {}
     keep: list[Any] = []  # holds watched tensors so that their ids are not reused
     uses: dict[str, list[str]] = {}
 
@@ -178,6 +272,10 @@ def _trace(model: Any, architecture: str) -> dict[str, NormSite]:
             result = func(*args, **kwargs)
             if not any(isinstance(leaf, torch.Tensor) for leaf in tree_leaves(result)):
                 return result  # shape, dtype and other metadata reads are not consumers
+            if (args and isinstance(args[0], torch.Tensor) and id(args[0]) in linear_of
+                    and isinstance(result, torch.Tensor) and result.ndim == 2 and result.shape == args[0].shape[::-1]):
+                transposed_of[id(result)] = linear_of[id(args[0])]  # weight.T, for `x @ weight.T` (Falcon)
+                keep.append(result)
             for leaf in tree_leaves((args, kwargs)):
                 site = watched.get(id(leaf)) if isinstance(leaf, torch.Tensor) else None
                 if site is None:
@@ -185,8 +283,16 @@ def _trace(model: Any, architecture: str) -> dict[str, NormSite]:
                 name = getattr(func, "__name__", str(func))
                 if func is torch.nn.functional.linear and args and args[0] is leaf and id(args[1]) in linear_of:
                     uses[site].append(linear_of[id(args[1])])
+                elif func is torch.addmm and len(args) > 2 and args[1] is leaf and id(args[2]) in linear_of:
+                    uses[site].append(linear_of[id(args[2])])  # Conv1D
+                elif name in ("matmul", "__matmul__") and len(args) > 1 and args[0] is leaf and id(args[1]) in transposed_of:
+                    uses[site].append(transposed_of[id(args[1])])
                 elif name == "__getitem__" and args and args[0] is leaf and _keeps_last_axis(args[1]):
                     watched[id(result)] = site
+                    keep.append(result)
+                elif (name in ("view", "reshape") and args and args[0] is leaf and isinstance(result, torch.Tensor)
+                      and result.ndim >= 1 and result.shape[-1] == leaf.shape[-1]):
+                    watched[id(result)] = site  # rows flattened, channels kept (Conv1D's input)
                     keep.append(result)
                 else:
                     uses[site].append(f"op {name}")
@@ -195,9 +301,12 @@ def _trace(model: Any, architecture: str) -> dict[str, NormSite]:
     sites: dict[str, NormSite] = {}
     handles = []
     for name, module in model.named_modules():
-        if not _is_norm(module):
+        if _is_norm(module):
+            sites[name] = NormSite(name, _convention(module), [])
+        elif layer_norms and _is_layer_norm(module):
+            sites[name] = NormSite(name, _layer_norm_convention(module), [], kind="layer")
+        else:
             continue
-        sites[name] = NormSite(name, _convention(module), [])
         uses[name] = []
 
         def record(mod, inputs, output, name=name):
@@ -206,10 +315,18 @@ def _trace(model: Any, architecture: str) -> dict[str, NormSite]:
                 keep.append(output)
 
         handles.append(module.register_forward_hook(record))
-    ids = torch.arange(4, dtype=torch.long).unsqueeze(0) % max(1, int(getattr(model.config, "vocab_size", 4)))
+    if inputs is None:
+        ids = torch.arange(4, dtype=torch.long).unsqueeze(0) % max(1, int(getattr(model.config, "vocab_size", 4)))
+        inputs = {"input_ids": ids, "use_cache": False}
     try:
         with torch.no_grad(), Consumers():
-            model(input_ids=ids, use_cache=False)
+            output = model(**inputs)
+        if outputs_read:
+            values = output.values() if hasattr(output, "values") else output
+            for leaf in tree_leaves(list(values) if not isinstance(values, torch.Tensor) else values):
+                site = watched.get(id(leaf)) if isinstance(leaf, torch.Tensor) else None
+                if site is not None:
+                    uses[site].append("op output")
     except Exception as exc:  # noqa: BLE001 - any failure means we cannot see the structure
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise FlashNormError(f"unsupported architecture {architecture}: a probe forward pass failed ({first})") from None
@@ -250,6 +367,8 @@ def _reason(site: NormSite, size: int, linear_in: dict[str, int], shared: dict[s
         return "no per-channel gain after the normalization (no weight, or neither w nor 1+w)"
     if not site.consumers:
         return "its output is not read"
+    if "op output" in site.consumers:
+        return "its output is also a model output (e.g. last_hidden_state)"
     others = [c for c in site.consumers if c.startswith("op ")]
     if others:
         return f"its output reaches {', '.join(sorted(set(c[3:] for c in others)))} (not a linear layer)"

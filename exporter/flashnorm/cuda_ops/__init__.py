@@ -1,7 +1,8 @@
 """The PyTorch binding of the FlashNorm CUDA library (``libflashnorm.so``, C ABI in
 ``plugins/flashnorm/include/flashnorm/flashnorm.h``; the kernels are ``plugins/flashnorm/kernels/``).
 
-    y_i = (x · W*)[:, cols_i] ⊙ rsqrt(mean(x², -1) + eps)
+    y_i = (x · W*)[:, cols_i] ⊙ s + bias[cols_i],  s = rsqrt(mean(x², -1) + eps)        (statistic "rms")
+                                                   or rsqrt(mean((x - mean x)², -1) + eps)  ("variance")
 
 Ways in:
 
@@ -33,6 +34,7 @@ library), ``lowering.resolve_strategy`` (AUTO's answer as Inductor's lowering as
 from flashnorm.cuda_ops import abi, library, lowering, ops, testing
 from flashnorm.cuda_ops.abi import DEFAULT_LIBRARY, library_path
 from flashnorm.cuda_ops.library import (
+    STATISTICS,
     STRATEGIES,
     current_multiprocessors,
     flashnorm_add_matmul,
@@ -53,7 +55,7 @@ from flashnorm.cuda_ops.testing import (
 )
 
 __all__ = [
-    "DEFAULT_LIBRARY", "STRATEGIES", "abi", "add_inductor_form", "add_matmul_op", "current_multiprocessors",
+    "DEFAULT_LIBRARY", "STATISTICS", "STRATEGIES", "abi", "add_inductor_form", "add_matmul_op", "current_multiprocessors",
     "epilogue_scale_tile_names", "flashnorm_add_matmul", "flashnorm_matmul", "inductor_form", "join_dropped",
     "library", "library_add_op", "library_op", "library_path", "lowering", "matmul_op", "ops", "prenorm_form",
     "reference_add", "reference_matmul", "resolve_strategy", "set_epilogue_scale_tiles", "set_fused_tuning",

@@ -38,6 +38,13 @@ class Strategy(enum.IntEnum):
     EPILOGUE_SCALE = 4
 
 
+class Statistic(enum.IntEnum):
+    """``flashnorm_statistic`` (``FLASHNORM_STATISTIC_*``)."""
+
+    RMS = 0
+    VARIANCE = 1
+
+
 class Status(enum.IntEnum):
     """``flashnorm_status`` (``FLASHNORM_STATUS_*``)."""
 
@@ -53,6 +60,7 @@ class Status(enum.IntEnum):
 C_ENUMS: dict[str, tuple[type[enum.IntEnum], str]] = {
     "flashnorm_dtype": (Dtype, "FLASHNORM_DTYPE_"),
     "flashnorm_strategy": (Strategy, "FLASHNORM_STRATEGY_"),
+    "flashnorm_statistic": (Statistic, "FLASHNORM_STATISTIC_"),
     "flashnorm_status": (Status, "FLASHNORM_STATUS_"),
 }
 
@@ -70,13 +78,15 @@ class Problem(ctypes.Structure):
         ("eps", ctypes.c_float),
         ("strategy", ctypes.c_int),
         ("multiprocessors", ctypes.c_int32),
+        ("statistic", ctypes.c_int),
     ]
 
 
-# context, problem, x, w, outputs, workspace, workspace bytes, stream
+# context, problem, x, w, bias (NULL: none), outputs, workspace, workspace bytes, stream
 _MATMUL_ARGS = [
     ctypes.c_void_p,
     ctypes.POINTER(Problem),
+    ctypes.c_void_p,
     ctypes.c_void_p,
     ctypes.c_void_p,
     ctypes.POINTER(ctypes.c_void_p),

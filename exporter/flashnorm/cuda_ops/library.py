@@ -21,11 +21,13 @@ from collections.abc import Sequence
 import torch
 
 from flashnorm.contract import MAX_OUTPUTS
-from flashnorm.cuda_ops.abi import Dtype, Problem, Status, Strategy, load, status_text
+from flashnorm.cuda_ops.abi import Dtype, Problem, Statistic, Status, Strategy, load, status_text
 from flashnorm.errors import FlashNormError
 
 STRATEGIES = {strategy.name.lower(): int(strategy) for strategy in Strategy}
 _STRATEGY_NAMES = {value: name for name, value in STRATEGIES.items()}
+# The row statistic by name: "rms" (RMSNorm) or "variance" (LayerNorm, with W* centred).
+STATISTICS = {statistic.name.lower(): int(statistic) for statistic in Statistic}
 _DTYPES = {torch.float32: Dtype.F32, torch.float16: Dtype.F16, torch.bfloat16: Dtype.BF16}
 
 _contexts = threading.local()
@@ -68,13 +70,27 @@ def warm_up(device: torch.device | int | None = None) -> None:
     context(cuda_device(device))
 
 
+def check_statistic(statistic: str) -> None:
+    """A known statistic's name, or a one-line error naming the known ones."""
+    if statistic not in STATISTICS:
+        raise FlashNormError(f"statistic {statistic!r} is unknown; known: {sorted(STATISTICS)}")
+
+
 def _problem(
-    m: int, k: int, splits: Sequence[int], dtype: torch.dtype, eps: float, strategy: str, multiprocessors: int = 0
+    m: int,
+    k: int,
+    splits: Sequence[int],
+    dtype: torch.dtype,
+    eps: float,
+    strategy: str,
+    multiprocessors: int = 0,
+    statistic: str = "rms",
 ) -> Problem:
     if dtype not in _DTYPES:
         raise FlashNormError(f"dtype {dtype} is not supported; supported: float32, float16, bfloat16")
     if strategy not in STRATEGIES:
         raise FlashNormError(f"strategy {strategy!r} is unknown; known: {sorted(STRATEGIES)}")
+    check_statistic(statistic)
     if not 1 <= len(splits) <= MAX_OUTPUTS:
         raise FlashNormError(f"{len(splits)} splits requested; 1 to {MAX_OUTPUTS} are supported")
     if multiprocessors < 0:
@@ -90,6 +106,7 @@ def _problem(
     problem.eps = eps
     problem.strategy = STRATEGIES[strategy]
     problem.multiprocessors = multiprocessors
+    problem.statistic = STATISTICS[statistic]
     return problem
 
 
@@ -100,16 +117,17 @@ def resolve_strategy(
     dtype: torch.dtype = torch.bfloat16,
     splits: Sequence[int] | None = None,
     multiprocessors: int = 0,
+    statistic: str = "rms",
 ) -> str:
     """The strategy ``"auto"`` picks for an [m, k] × [k, n] problem split into ``splits`` (None: one
     output) on a device of ``multiprocessors`` multiprocessors (0: the current device's, or the H200's
     132 AUTO was measured on where no device answers; ``current_multiprocessors``): ``"fused"``,
     ``"two_stream"``, ``"prenorm"`` (which depends on the narrowest split) or, in builds with the
-    CUTLASS kernel, ``"epilogue_scale"``."""
+    CUTLASS kernel, ``"epilogue_scale"``. It picks alike for both statistics."""
     splits = [n] if splits is None else [int(size) for size in splits]
     if sum(splits) != n:
         raise FlashNormError(f"splits {splits} must sum to N={n}")
-    problem = _problem(m, k, splits, dtype, 1e-6, "auto", multiprocessors)
+    problem = _problem(m, k, splits, dtype, 1e-6, "auto", multiprocessors, statistic)
     return _STRATEGY_NAMES[load().flashnorm_resolve_strategy(ctypes.byref(problem))]
 
 
@@ -120,11 +138,12 @@ def workspace_size(
     dtype: torch.dtype = torch.bfloat16,
     strategy: str = "auto",
     multiprocessors: int = 0,
+    statistic: str = "rms",
 ) -> int:
     """Bytes of device workspace a call needs for this problem or any smaller m (0 for the fused
     kernel), under ``"auto"`` on a device of ``multiprocessors`` multiprocessors (0 as in
     ``resolve_strategy``)."""
-    problem = _problem(m, k, [int(size) for size in splits], dtype, 1e-6, strategy, multiprocessors)
+    problem = _problem(m, k, [int(size) for size in splits], dtype, 1e-6, strategy, multiprocessors, statistic)
     return int(load().flashnorm_workspace_size(ctypes.byref(problem)))
 
 
@@ -150,18 +169,23 @@ def flashnorm_matmul(
     splits: Sequence[int] | None = None,
     strategy: str = "auto",
     out: list[torch.Tensor] | None = None,
+    *,
+    statistic: str = "rms",
+    bias: torch.Tensor | None = None,
 ) -> list[torch.Tensor]:
-    """``(x · w)[:, split_i] * rsqrt(mean(x², -1) + eps)`` for each split, on the current stream.
+    """``(x · w)[:, split_i] * s + bias[split_i]`` for each split, on the current stream, with s the
+    row statistic: ``rsqrt(mean(x², -1) + eps)`` (``statistic="rms"``) or, w's columns centred,
+    ``rsqrt(mean((x - mean(x))², -1) + eps)`` (``"variance"``: LayerNorm).
 
     x is [..., K] (flattened to [M, K]; made contiguous if it is not), w is [K, N] row-major
     contiguous with the norm gain already folded in, ``splits`` are column counts summing to N
-    (None: one output). Returns one tensor [..., N_i] per split; ``out`` may supply them
-    (contiguous, right shape, dtype and device) so that nothing is allocated for outputs.
-    Where column views of one output serve the caller (q, k, v as ``(x @ W).split(...)`` gives
-    them), one split is faster beyond the fused kernel's rows: one GEMM covers all of N
-    (docs/BENCHMARKS.md, "One output").
+    (None: one output), ``bias`` is None or a contiguous float32 [N] on x's device. Returns one
+    tensor [..., N_i] per split; ``out`` may supply them (contiguous, right shape, dtype and device)
+    so that nothing is allocated for outputs. Where column views of one output serve the caller (q,
+    k, v as ``(x @ W).split(...)`` gives them), one split is faster beyond the fused kernel's rows:
+    one GEMM covers all of N (docs/BENCHMARKS.md, "One output").
     """
-    return _library_call(x, None, w, eps, splits, strategy, out)[1]
+    return _library_call(x, None, w, eps, splits, strategy, out, statistic=statistic, bias=bias)[1]
 
 
 def flashnorm_add_matmul(
@@ -172,15 +196,21 @@ def flashnorm_add_matmul(
     splits: Sequence[int] | None = None,
     strategy: str = "auto",
     out: list[torch.Tensor] | None = None,
+    *,
+    statistic: str = "rms",
+    bias: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """The residual add in front of the norm, as a decoder layer has it: ``h = x + residual``
     (rounded to x's dtype, as that add computes) and ``flashnorm_matmul(h, w, eps, splits)``, in
     one library call. Returns ``(h, outputs)``, h shaped like x. The fused kernel forms h as it
     reads x and writes it from the same launch; the other strategies run the add first. ``out``
-    may supply ``[h, *outputs]`` (contiguous; h must not overlap x or residual)."""
+    may supply ``[h, *outputs]`` (contiguous; h must not overlap x or residual). ``statistic`` and
+    ``bias`` as in ``flashnorm_matmul``."""
     if out is not None and len(out) < 1:
         raise FlashNormError("out must hold the sum h and one tensor per split")
-    return _library_call(x, residual, w, eps, splits, strategy, out and out[1:], out and out[0])
+    return _library_call(
+        x, residual, w, eps, splits, strategy, out and out[1:], out and out[0], statistic=statistic, bias=bias
+    )
 
 
 def _library_call(
@@ -192,9 +222,14 @@ def _library_call(
     strategy: str,
     out: list[torch.Tensor] | None,
     out_sum: torch.Tensor | None = None,
+    *,
+    statistic: str = "rms",
+    bias: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor | None, list[torch.Tensor]]:
     """flashnorm_matmul (residual None) or flashnorm_add_matmul: (the sum or None, the outputs)."""
     splits = checked_splits(x, w, splits, strategy)
+    check_statistic(statistic)
+    check_bias(x, w, bias)
     if not x.is_cuda:
         raise FlashNormError(f"x and w are on {x.device}; flashnorm_matmul needs a CUDA device")
     k = w.shape[0]
@@ -228,14 +263,17 @@ def _library_call(
     handle = context(x.device)
     # multiprocessors 0, the device's own, in the size and the call alike: the size asks the current
     # device, the call its context's, and the call refuses to run where they are not one device.
-    problem = _problem(m, k, splits, x.dtype, eps, strategy)
+    problem = _problem(m, k, splits, x.dtype, eps, strategy, statistic=statistic)
     workspace_bytes = lib.flashnorm_workspace_size(ctypes.byref(problem))
     workspace = torch.empty(max(workspace_bytes, 1), dtype=torch.uint8, device=x.device)
     pointers = (ctypes.c_void_p * MAX_OUTPUTS)(*[tensor.data_ptr() for tensor in out])
     stream = torch.cuda.current_stream(x.device).cuda_stream
+    bias_pointer = None if bias is None else bias.data_ptr()
     workspace_args = (pointers, workspace.data_ptr(), workspace_bytes, stream)
     if residual is None:
-        status = lib.flashnorm_matmul(handle, ctypes.byref(problem), x2d.data_ptr(), w.data_ptr(), *workspace_args)
+        status = lib.flashnorm_matmul(
+            handle, ctypes.byref(problem), x2d.data_ptr(), w.data_ptr(), bias_pointer, *workspace_args
+        )
     else:
         status = lib.flashnorm_add_matmul(
             handle,
@@ -244,6 +282,7 @@ def _library_call(
             residual2d.data_ptr(),
             total.data_ptr(),
             w.data_ptr(),
+            bias_pointer,
             *workspace_args,
         )
     if status != Status.OK:
@@ -259,6 +298,18 @@ def check_like_x(x: torch.Tensor, tensor: torch.Tensor, name: str = "residual") 
             f"{name} {tuple(tensor.shape)} {tensor.dtype} {tensor.device} does not match "
             f"x {tuple(x.shape)} {x.dtype} {x.device}"
         )
+
+
+def check_bias(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> None:
+    """`bias`, where given, is a contiguous float32 [N] on x's device (N = w's columns)."""
+    if bias is None:
+        return
+    if bias.dtype != torch.float32 or bias.dim() != 1 or bias.shape[0] != w.shape[-1] or not bias.is_contiguous():
+        raise FlashNormError(
+            f"bias must be a contiguous float32 [{w.shape[-1]}], got {bias.dtype} {tuple(bias.shape)}"
+        )
+    if bias.device != x.device:
+        raise FlashNormError(f"bias ({bias.device}) must be on x's device ({x.device})")
 
 
 def checked_splits(x: torch.Tensor, w: torch.Tensor, splits: Sequence[int] | None, strategy: str) -> list[int]:

@@ -1,6 +1,8 @@
 """What Inductor (torch.compile) compiles the custom ops to: ``"auto"`` keeps the library call
 where AUTO picks the fused kernel (or, up to its 16 rows, the epilogue-scale GEMM) and becomes
-PyTorch ops elsewhere. Registered as Inductor decompositions when this module is imported."""
+PyTorch ops elsewhere, for both statistics alike (AUTO picks alike for both; the LayerNorm picks
+under Inductor are measured by benchmarks/encoder_step.py). Registered as Inductor decompositions
+when this module is imported."""
 
 from __future__ import annotations
 
@@ -28,7 +30,8 @@ _LIBRARY_EPILOGUE_SCALE_MAX_ROWS = 16
 
 
 def _keeps_library_call(
-    x: torch.Tensor, w: torch.Tensor, splits: list[int], strategy: str, residual_add: bool = False
+    x: torch.Tensor, w: torch.Tensor, splits: list[int], strategy: str, residual_add: bool = False,
+    statistic: str = "rms",
 ) -> bool:
     """Whether Inductor keeps the op as the library call (see ``inductor_form``); `residual_add`: the
     add_matmul op (see ``add_inductor_form``)."""
@@ -37,7 +40,7 @@ def _keeps_library_call(
     rows = x.numel() // x.shape[-1]
     if rows == 0:
         return True
-    picked = resolve_strategy(rows, x.shape[-1], w.shape[1], x.dtype, splits)
+    picked = resolve_strategy(rows, x.shape[-1], w.shape[1], x.dtype, splits, statistic=statistic)
     if picked != "fused" and not (picked == "epilogue_scale" and rows <= _LIBRARY_EPILOGUE_SCALE_MAX_ROWS):
         return False
     if not residual_add or rows <= _ADD_ONE_GROUP_ROWS:
@@ -45,7 +48,15 @@ def _keeps_library_call(
     return x.shape[-1] * w.shape[1] <= _ADD_TWO_GROUP_MAX_WEIGHT
 
 
-def inductor_form(x: torch.Tensor, w: torch.Tensor, eps: float, splits: list[int], strategy: str) -> list[torch.Tensor]:
+def inductor_form(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    eps: float,
+    splits: list[int],
+    strategy: str,
+    statistic: str = "rms",
+    bias: torch.Tensor | None = None,
+) -> list[torch.Tensor]:
     """What Inductor compiles ``torch.ops.flashnorm.matmul`` to: the library call
     (``flashnorm::library_matmul``) where AUTO picks the fused kernel (or, up to its 16 rows, the
     epilogue-scale GEMM), where the strategy is forced, on the CPU, or where the shape is not known
@@ -55,33 +66,55 @@ def inductor_form(x: torch.Tensor, w: torch.Tensor, eps: float, splits: list[int
     epilogue-scale GEMM as measured end to end so far) lose to what Inductor makes of the prenorm
     arithmetic, the norm fused into the kernel that produces x and the GEMM on cuBLAS
     (docs/BENCHMARKS.md, "End-to-end decode step" and the kernel tables)."""
-    if _keeps_library_call(x, w, splits, strategy):
-        return torch.ops.flashnorm.library_matmul(x, w, eps, splits, strategy)
-    return prenorm_form(x, w, eps, splits)
+    if _keeps_library_call(x, w, splits, strategy, statistic=statistic):
+        return torch.ops.flashnorm.library_matmul(x, w, eps, splits, strategy, statistic, bias)
+    return prenorm_form(x, w, eps, splits, statistic, bias)
 
 
-def prenorm_form(x: torch.Tensor, w: torch.Tensor, eps: float, splits: Sequence[int]) -> list[torch.Tensor]:
-    """The prenorm strategy's arithmetic in PyTorch ops: x̂ = x ⊙ rsqrt(mean(x²)+eps) in fp32,
-    rounded to x's dtype, then x̂·W*; one contiguous output per split."""
+def prenorm_form(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    eps: float,
+    splits: Sequence[int],
+    statistic: str = "rms",
+    bias: torch.Tensor | None = None,
+) -> list[torch.Tensor]:
+    """The prenorm strategy's arithmetic in PyTorch ops: x̂ = x ⊙ rsqrt(mean(x²)+eps) (for
+    ``"variance"``, (x − mean) ⊙ rsqrt(mean((x − mean)²)+eps)) in fp32, rounded to x's dtype, then
+    x̂·W* with the bias rounded to x's dtype added in the GEMM's epilogue (``addmm``, as F.linear
+    adds it); one contiguous output per split."""
     x32 = x.float()
+    if statistic == "variance":
+        x32 = x32 - x32.mean(dim=-1, keepdim=True)
     normalized = (x32 * torch.rsqrt(x32.pow(2).mean(dim=-1, keepdim=True) + eps)).to(x.dtype)
-    y = normalized @ w
+    if bias is None:
+        y = normalized @ w
+    else:
+        rows = normalized.reshape(-1, normalized.shape[-1])
+        y = torch.addmm(bias.to(x.dtype), rows, w).view(*normalized.shape[:-1], w.shape[-1])
     if len(splits) == 1:
         return [y]
     return [part.contiguous() for part in y.split(list(splits), dim=-1)]
 
 
 def add_inductor_form(
-    x: torch.Tensor, residual: torch.Tensor, w: torch.Tensor, eps: float, splits: list[int], strategy: str
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    w: torch.Tensor,
+    eps: float,
+    splits: list[int],
+    strategy: str,
+    statistic: str = "rms",
+    bias: torch.Tensor | None = None,
 ) -> list[torch.Tensor]:
     """What Inductor compiles ``torch.ops.flashnorm.add_matmul`` to: the library call where
     ``inductor_form`` keeps it (the fused kernel, which then also does the add) but for 9 to 16 rows
     on a larger W* (``_ADD_TWO_GROUP_MAX_WEIGHT``), elsewhere the add and ``prenorm_form`` in
     PyTorch ops, which Inductor fuses into one kernel before the GEMM."""
-    if _keeps_library_call(x, w, splits, strategy, residual_add=True):
-        return torch.ops.flashnorm.library_add_matmul(x, residual, w, eps, splits, strategy)
+    if _keeps_library_call(x, w, splits, strategy, residual_add=True, statistic=statistic):
+        return torch.ops.flashnorm.library_add_matmul(x, residual, w, eps, splits, strategy, statistic, bias)
     total = x + residual
-    return [total, *prenorm_form(total, w, eps, splits)]
+    return [total, *prenorm_form(total, w, eps, splits, statistic, bias)]
 
 
 def _register_inductor_form() -> None:

@@ -18,9 +18,6 @@ import time
 from pathlib import Path
 from typing import Any, Mapping, Optional, Sequence
 
-import onnx
-from google.protobuf.message import DecodeError
-
 from flashnorm import contract, signals
 from flashnorm.engine.loader import (
     RTX_HAS_NO_PLUGINS, Backend, import_backend, load_plugins, registered_flashnorm_creators,
@@ -29,6 +26,7 @@ from flashnorm.engine.progress import make_progress_monitor
 from flashnorm.engine.shapes import ShapeRange
 from flashnorm.errors import FlashNormError, require_file
 from flashnorm.files import atomic_write
+from flashnorm.untrusted import InputFile, Unchanged
 
 
 @dataclasses.dataclass
@@ -49,10 +47,9 @@ class BuildOptions:
 def flashnorm_node_names(onnx_path: str | os.PathLike[str]) -> list[str]:
     """Names of the FlashNormMatMul<N> nodes of a model (read without its weights). A model
     written with the older encoding is refused with what to do."""
-    try:
-        model = onnx.load(os.fspath(onnx_path), load_external_data=False)
-    except DecodeError:
-        raise FlashNormError(f"{onnx_path} is not an ONNX model: protobuf parse failed") from None
+    from flashnorm.modelio import read_header
+
+    model = read_header(onnx_path)
     legacy = contract.legacy_encoding(((n.op_type, n.domain) for n in model.graph.node),
                                       ((f.name, f.domain, f.overload) for f in model.functions))
     if legacy:
@@ -81,7 +78,7 @@ def _parse_network(trt: Any, builder: Any, logger: Any, onnx_path: Path) -> tupl
     override = getattr(getattr(trt, "OnnxParserFlag", None), "ENABLE_PLUGIN_OVERRIDE", None)
     if override is not None:
         parser.set_flag(override)
-    if not parser.parse_from_file(os.fspath(onnx_path)):
+    if not signals.run_stoppable(parser.parse_from_file, os.fspath(onnx_path), keep=(logger, builder, network)):
         errors = [parser.get_error(i).desc() for i in range(parser.num_errors)]
         first = errors[0] if errors else "no error message"
         raise FlashNormError(f"TensorRT's ONNX parser rejected {onnx_path}: {first}"
@@ -111,7 +108,11 @@ def _profile(trt: Any, builder: Any, network: Any, shapes: Mapping[str, ShapeRan
             d >= 0 and not (lo == d == hi) for d, lo, hi in zip(declared, shape_range.minimum, shape_range.maximum)
         ):
             raise FlashNormError(f"--shapes {name}:{shape_range.describe()} does not fit the input's shape {list(declared)}")
-        profile.set_shape(name, shape_range.minimum, shape_range.optimum, shape_range.maximum)
+        try:
+            profile.set_shape(name, shape_range.minimum, shape_range.optimum, shape_range.maximum)
+        except (RuntimeError, TypeError, ValueError) as exc:  # the bindings' checks of the sizes
+            reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise FlashNormError(f"TensorRT refused --shapes {name}:{shape_range.describe()}: {reason.rstrip('.')}") from None
         used[name] = shape_range.describe()
     return profile, used
 
@@ -147,20 +148,27 @@ def network_summary(trt: Any, network: Any, flashnorm_nodes: Sequence[str]) -> d
 _REPEATED_FUNCTION_NODE = "already exists, the output tensors of this new instance will not be queryable"
 
 
-def _build_logger(trt: Any, verbose: bool) -> Any:
-    """TensorRT's messages on stderr, as trt.Logger prints them, with the parser's warnings
-    about repeated function-body node names counted instead of printed."""
+def _build_logger(trt: Any, verbose: bool, quiet: bool = False) -> Any:
+    """TensorRT's messages on stderr, as trt.Logger prints them (none with `quiet`, -q: the
+    first error reaches the user in the command's one line), with the parser's warnings about
+    repeated function-body node names counted instead of printed."""
     shown = trt.ILogger.Severity.VERBOSE if verbose else trt.ILogger.Severity.WARNING
+    errors = (trt.ILogger.Severity.ERROR, trt.ILogger.Severity.INTERNAL_ERROR)
 
     class BuildLogger(trt.ILogger):
         def __init__(self) -> None:
             trt.ILogger.__init__(self)
             self.repeated_function_nodes = 0
+            self.first_error = ""
 
         def log(self, severity, message):
+            if signals.stop_requested():  # the command is stopping: its last line is the stop's
+                return
+            if severity in errors and not self.first_error:
+                self.first_error = str(message).strip().splitlines()[0] if str(message).strip() else ""
             if _REPEATED_FUNCTION_NODE in message and not verbose:
                 self.repeated_function_nodes += 1
-            elif int(severity) <= int(shown):
+            elif int(severity) <= int(shown) and not (quiet and not verbose):
                 print(f"[TensorRT] [{severity.name}] {message}", file=sys.stderr, flush=True)
 
     return BuildLogger()
@@ -213,9 +221,15 @@ def build_serialized_engine(onnx_path: str | os.PathLike[str], options: BuildOpt
     missing TensorRT, bad input, a parser error, a plugin that did not take, a failed build."""
     source = require_file("model", onnx_path)
     expected = flashnorm_node_names(source)
+    # TensorRT's parser opens the model and its data by name: our own reader checks them first
+    # (inside the model's folder, regular files, every tensor's bytes there; one line each), and
+    # the plan is refused if any of them changes before it is returned.
+    from flashnorm.modelio import external_data_files
+
+    read = Unchanged([(source, "model"), *((data, "external data file") for data in external_data_files(source))])
     backend = select_backend(options.backend, options.plugins)
     trt = backend.module
-    logger = _build_logger(trt, options.verbose)
+    logger = _build_logger(trt, options.verbose, quiet=not options.progress)
     plugins = load_plugins(trt, options.plugins)
     if expected and not backend.hosts_plugins and registered_flashnorm_creators(trt):
         raise FlashNormError(f"a FlashNormMatMul plugin creator is registered with {backend.describe()}, whose parser "
@@ -249,18 +263,21 @@ def build_serialized_engine(onnx_path: str | os.PathLike[str], options: BuildOpt
     # documented no-ops, so the cache is neither read nor written there.
     use_cache = cache_path is not None and backend.name == "tensorrt"
     if use_cache:
-        cached = cache_path.read_bytes() if cache_path.is_file() else b""
+        cached = _read_timing_cache(cache_path)
         cache = config.create_timing_cache(cached)
         config.set_timing_cache(cache, ignore_mismatch=False)
 
     start = time.monotonic()
-    serialized = builder.build_serialized_network(network, config)
+    serialized = signals.run_stoppable(builder.build_serialized_network, network, config,
+                                       keep=(logger, builder, _parser, monitor, profile, plugins))
     seconds = time.monotonic() - start
     if serialized is None and signals.stop_requested():
         signals.raise_stop()
     if serialized is None:
-        raise FlashNormError(f"{backend.describe()} could not build an engine from {source} (see its messages above)")
+        raise FlashNormError(f"{backend.describe()} could not build an engine from {source}: "
+                             + (logger.first_error or "it gave no reason"))
     plan = bytes(memoryview(serialized))
+    read.check()
     if use_cache:
         with atomic_write(cache_path, "wb") as handle:
             handle.write(bytes(memoryview(config.get_timing_cache().serialize())))
@@ -293,6 +310,17 @@ def build_serialized_engine(onnx_path: str | os.PathLike[str], options: BuildOpt
     return plan, report
 
 
+def _read_timing_cache(path: Path) -> bytes:
+    """The timing cache's bytes (none if it does not exist yet); a FIFO or device is refused."""
+    if not os.path.lexists(path):
+        return b""
+    cache = InputFile(path, "timing cache")
+    try:
+        return cache.read_at(0, cache.size)
+    finally:
+        cache.close()
+
+
 def build_engine_file(onnx_path: str | os.PathLike[str], plan_path: str | os.PathLike[str],
                       options: BuildOptions) -> dict:
     """Build and write the engine atomically (a failed build leaves no file behind)."""
@@ -312,7 +340,11 @@ def deserialize_engine(plan_path: str | os.PathLike[str], plugins: Sequence[str 
     chosen = select_backend(backend, plugins)
     source = require_file("engine", plan_path)
     load_plugins(chosen.module, plugins)
-    engine, why = load_engine(chosen.module, source.read_bytes())
+    plan = InputFile(source, "engine")
+    try:
+        engine, why = load_engine(chosen.module, plan.read_at(0, plan.size))
+    finally:
+        plan.close()
     if engine is None:
         raise FlashNormError(f"{chosen.describe()} cannot load {source} ({why}): built by another TensorRT version, "
                              "for another GPU, or without its plugin registered (--plugin)")

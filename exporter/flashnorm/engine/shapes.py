@@ -4,11 +4,15 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Iterable, Mapping
 
 import numpy as np
 
 from flashnorm.errors import FlashNormError
+
+MAX_ELEMENTS = 2**63 - 1
+"""TensorRT's dimensions and element counts are int64: a larger shape would overflow its bindings."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -26,6 +30,9 @@ class ShapeRange:
         for low, mid, high in zip(self.minimum, self.optimum, self.maximum):
             if not 0 <= low <= mid <= high:
                 raise FlashNormError(f"shapes must satisfy 0 <= min <= opt <= max in every dimension: {self.describe()}")
+        if math.prod(self.maximum) > MAX_ELEMENTS:
+            raise FlashNormError(f"the max shape of {self.describe()} has {math.prod(self.maximum):.3g} elements; "
+                                 f"TensorRT counts a tensor's elements in an int64 (at most {MAX_ELEMENTS})")
 
     def describe(self) -> str:
         return ",".join("x".join(str(d) for d in shape) for shape in (self.minimum, self.optimum, self.maximum))

@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import inspect
 import logging
 import os
 import sys
@@ -27,16 +28,19 @@ import tempfile
 import time
 import warnings
 from pathlib import Path
-from typing import Any, Iterator, Mapping
+from typing import TYPE_CHECKING, Any, Iterator, Mapping
 
 import numpy as np
 import onnx
 import onnx.numpy_helper
 
 from flashnorm.errors import FlashNormError
-from flashnorm.files import StagedFile, atomic_write, commit_together
-from flashnorm.modelio.saving import EXTERNAL_DATA_THRESHOLD, INLINE_TENSOR_BYTES
+from flashnorm.files import StagedFile, atomic_write
+from flashnorm.modelio.saving import EXTERNAL_DATA_THRESHOLD, INLINE_TENSOR_BYTES, commit_model_with_data
 from flashnorm.progress import Progress
+
+if TYPE_CHECKING:
+    from flashnorm.export.encoders import Encoder
 
 DEFAULT_OPSET = {False: 17, True: 23}
 """Default opset per exporter (key: dynamo)."""
@@ -102,9 +106,11 @@ def torch_dtype_name(dtype: str) -> str:
     return DTYPES[dtype]
 
 
-def causal_lm_spec(vocab_size: int, kv: KVLayout | None, dtype: str = "float32") -> ExportSpec:
+def causal_lm_spec(vocab_size: int, kv: KVLayout | None, dtype: str = "float32", *,
+                   positions: bool = True) -> ExportSpec:
     """The signature of an exported causal LM, with example inputs for tracing (past keys
-    and values in `dtype`, a torch dtype name)."""
+    and values in `dtype`, a torch dtype name). Without `positions` there is no position_ids
+    input (BLOOM's ALiBi attention takes none)."""
     import torch
 
     generator = torch.Generator().manual_seed(0)
@@ -113,8 +119,8 @@ def causal_lm_spec(vocab_size: int, kv: KVLayout | None, dtype: str = "float32")
     input_ids = torch.randint(0, vocab_size, (batch, sequence), generator=generator)
     attention_mask = torch.ones(batch, past + sequence, dtype=torch.int64)
     position_ids = torch.arange(past, past + sequence).expand(batch, sequence).contiguous()
-    inputs: list[Any] = [input_ids, attention_mask, position_ids]
-    names = list(INPUT_NAMES)
+    inputs: list[Any] = [input_ids, attention_mask, position_ids][:3 if positions else 2]
+    names = list(INPUT_NAMES[:3 if positions else 2])
     outputs = [LOGITS]
     axes: dict[str, dict[int, str]] = {
         "input_ids": {0: "batch", 1: "sequence"},
@@ -132,7 +138,10 @@ def causal_lm_spec(vocab_size: int, kv: KVLayout | None, dtype: str = "float32")
             for name in present_names(layer):
                 outputs.append(name)
                 axes[name] = {0: "batch", 2: "total_sequence"}
-    return ExportSpec(names, outputs, tuple(inputs), axes, varargs_from=len(INPUT_NAMES) if kv else None)
+    if not positions:
+        del axes["position_ids"]
+    # KVCacheModel.forward(input_ids, attention_mask, *rest): position ids and the past arrive as varargs.
+    return ExportSpec(names, outputs, tuple(inputs), axes, varargs_from=2 if kv else None)
 
 
 @contextlib.contextmanager
@@ -167,7 +176,7 @@ def export_module(
     opset = opset or DEFAULT_OPSET[dynamo]
     with tempfile.TemporaryDirectory(prefix=".flashnorm-export-", dir=Path(output).parent) as scratch:
         path = Path(scratch) / Path(output).name
-        with _quiet_exporter(), torch.no_grad(), _exporter_errors(dynamo):
+        with _quiet_exporter(), torch.no_grad(), _exporter_errors(dynamo), _conv1d_as_matmul(module):
             if dynamo:
                 program = torch.onnx.export(
                     module, spec.example_inputs, dynamo=True, opset_version=opset,
@@ -182,6 +191,28 @@ def export_module(
                     dynamic_axes=spec.dynamic_axes, do_constant_folding=constant_folding,
                 )
         return onnx.load(str(path), load_external_data=True)
+
+
+@contextlib.contextmanager
+def _conv1d_as_matmul(module: Any) -> Iterator[None]:
+    """Trace GPT-2-style Conv1D layers (weight [in, out], `addmm` on the input flattened to 2-D)
+    as `MatMul(x, W) + b` on the input as it is: the same arithmetic, without the Reshape pair
+    that would stand between a norm and its projection in the graph and hide the projection
+    from the fold."""
+    import torch
+
+    patched = [m for m in module.modules() if type(m).__name__ == "Conv1D" and getattr(m, "weight", None) is not None]
+
+    def forward(self: Any, x: Any) -> Any:
+        return torch.matmul(x, self.weight) + self.bias
+
+    for conv in patched:
+        conv.forward = forward.__get__(conv)
+    try:
+        yield
+    finally:
+        for conv in patched:
+            del conv.forward
 
 
 @contextlib.contextmanager
@@ -246,14 +277,25 @@ def _rename_values(model: onnx.ModelProto, renames: Mapping[str, str]) -> None:
                 node.input[i] = renames[name]
 
 
+# Ops that carry token ids unchanged on their way to the embedding Gather (GPT-2's and OPT's
+# legacy exports flatten input_ids with a Reshape first).
+_ID_PASSTHROUGH = frozenset({"Reshape", "Cast", "Unsqueeze", "Squeeze", "Flatten", "Identity"})
+
+
 def _embedding_table(graph: onnx.GraphProto) -> str | None:
-    """The initializer that `input_ids` index (the token embedding), if there is one."""
+    """The initializer that `input_ids` index (the token embedding), if there is one: the
+    data of a Gather whose indices are input_ids, directly or through ops that pass ids on."""
     initializers = {t.name for t in graph.initializer}
-    return next(
-        (n.input[0] for n in graph.node
-         if n.op_type == "Gather" and len(n.input) == 2 and n.input[1] == "input_ids" and n.input[0] in initializers),
-        None,
-    )
+    ids, frontier = {"input_ids"}, ["input_ids"]
+    while frontier:
+        name = frontier.pop()
+        for n in graph.node:
+            if n.op_type == "Gather" and len(n.input) == 2 and n.input[1] == name and n.input[0] in initializers:
+                return n.input[0]
+            if n.op_type in _ID_PASSTHROUGH and n.input and n.input[0] == name:
+                frontier += [out for out in n.output if out not in ids]
+                ids.update(n.output)
+    return None
 
 
 def retie_lm_head(model: onnx.ModelProto) -> str | None:
@@ -315,7 +357,8 @@ def lm_head_shares_embedding(model: onnx.ModelProto) -> bool:
 
 def save_model(model: onnx.ModelProto, output: str | os.PathLike[str]) -> None:
     """Write `model` as staged files (`flashnorm.files`); weights go to `<file>.data` when the
-    model is too large for one protobuf, with `flashnorm.modelio`'s thresholds."""
+    model is too large for one protobuf, with `flashnorm.modelio`'s thresholds (replacing an
+    earlier output: as `modelio.saving.commit_model_with_data` says)."""
     destination = Path(output)
     if model.ByteSize() < EXTERNAL_DATA_THRESHOLD:
         with atomic_write(destination) as handle:
@@ -325,10 +368,9 @@ def save_model(model: onnx.ModelProto, output: str | os.PathLike[str]) -> None:
     with tempfile.TemporaryDirectory(prefix=".flashnorm-save-", dir=destination.parent) as scratch:
         onnx.save_model(model, str(Path(scratch) / destination.name), save_as_external_data=True,
                         all_tensors_to_one_file=True, location=data_name, size_threshold=INLINE_TENSOR_BYTES)
-        commit_together([  # data first
-            StagedFile(destination.parent / data_name, Path(scratch) / data_name),
-            StagedFile(destination, Path(scratch) / destination.name),
-        ])
+        written = onnx.load(str(Path(scratch) / destination.name), load_external_data=False)
+        data = StagedFile(destination.parent / data_name, Path(scratch) / data_name)
+        commit_model_with_data(written, data, destination)
 
 
 def _tied_embeddings(model: Any) -> bool:
@@ -371,8 +413,9 @@ def export_causal_lm(
     opset = opset or DEFAULT_OPSET[dynamo]
     vocab = model.get_input_embeddings().weight.shape[0]
     kv = KVLayout.from_config(model.config) if kv_cache else None
-    spec = causal_lm_spec(vocab, kv, dtype_name)
-    module = KVCacheModel(model, kv.num_layers) if kv else LogitsModel(model)
+    positions = "position_ids" in inspect.signature(model.forward).parameters
+    spec = causal_lm_spec(vocab, kv, dtype_name, positions=positions)
+    module = KVCacheModel(model, kv.num_layers, positions) if kv else LogitsModel(model, positions)
     exporter = "dynamo" if dynamo else "legacy"
 
     started = time.monotonic()
@@ -392,6 +435,7 @@ def export_causal_lm(
         "flashnorm.kv_cache": str(bool(kv_cache)).lower(),
         "flashnorm.tied_lm_head": str(tied).lower(),
         "flashnorm.dtype": dtype_name,
+        **context_metadata(model.config),
         **(metadata or {}),
     }
     onnx.helper.set_model_props(onnx_model, properties)
@@ -415,6 +459,71 @@ def export_causal_lm(
     }
 
 
+def export_encoder(model: Any, encoder: "Encoder", output: str | os.PathLike[str], *, dynamo: bool = False,
+                   opset: int | None = None, dtype: str = "float32",
+                   metadata: Mapping[str, str] | None = None) -> dict[str, Any]:
+    """Export a loaded encoder (`flashnorm.export.encoders`) to `output` in `dtype` (a torch
+    dtype name; a model in another dtype is converted on a copy); returns the report."""
+    import torch
+
+    from flashnorm.export.encoders import encoder_module, encoder_signature
+    from flashnorm.export.wrappers import WRAPPED
+
+    destination = Path(output)
+    directory = destination.parent if str(destination.parent) else Path(".")
+    if not directory.is_dir():
+        raise FlashNormError(f"cannot write {destination}: directory {directory} does not exist")
+    # The legacy exporter's scaled_dot_product_attention computes in fp32 for half models (as
+    # for causal LMs, onnx_export.export_causal_lm): eager attention keeps the model's type.
+    eager = not dynamo and dtype != "float32" and getattr(model.config, "_attn_implementation", "eager") != "eager"
+    if model.dtype != getattr(torch, dtype) or eager:
+        model = copy.deepcopy(model).to(getattr(torch, dtype))
+        if eager:
+            model.set_attn_implementation("eager")
+    opset = opset or DEFAULT_OPSET[dynamo]
+    spec = ExportSpec(*encoder_signature(model, encoder, dtype))
+    exporter = "dynamo" if dynamo else "legacy"
+    started = time.monotonic()
+    say(f"exporting the {encoder.family} encoder ({exporter} exporter, opset {opset}, {dtype})")
+    onnx_model = export_module(encoder_module(model, encoder), destination, spec, dynamo=dynamo, opset=opset)
+    export_seconds = time.monotonic() - started
+    strip_initializer_prefix(onnx_model, f"{WRAPPED}.")
+    name_dynamic_axes(onnx_model, spec.dynamic_axes)
+    properties = {
+        "flashnorm.exporter": exporter,
+        "flashnorm.dtype": dtype,
+        "flashnorm.encoder": encoder.family,
+        "flashnorm.pooled_output": encoder.pooled,
+        **(metadata or {}),
+    }
+    onnx.helper.set_model_props(onnx_model, properties)
+    say(f"traced in {export_seconds:.1f} s; writing {destination}")
+    save_model(onnx_model, destination)
+    return {
+        "output": str(destination),
+        "exporter": exporter,
+        "opset": opset,
+        "encoder": encoder.family,
+        "pre_ln": encoder.pre_ln,
+        "inputs": spec.input_names,
+        "outputs": spec.output_names,
+        "pooled_output": encoder.pooled,
+        "kv_cache": False,
+        "dtype": dtype,
+        "output_dtype": _output_dtype(onnx_model, encoder.pooled),
+        "parameters": sum(p.numel() for p in model.parameters()),
+        "export_seconds": round(export_seconds, 1),
+        "seconds": round(time.monotonic() - started, 1),
+    }
+
+
+def context_metadata(config: Any) -> dict[str, str]:
+    """The trained context (max_position_embeddings) as ONNX metadata, which `compare` checks
+    its positions against (validate.feeds.CONTEXT_LENGTH_KEY); none where the config has none."""
+    length = getattr(config, "max_position_embeddings", None)
+    return {"flashnorm.context_length": str(length)} if isinstance(length, int) and length > 0 else {}
+
+
 def _output_dtype(model: onnx.ModelProto, name: str) -> str | None:
     """The element type a graph output declares ('float16'), or None."""
     for value in model.graph.output:
@@ -432,23 +541,33 @@ def export_source(
     kv_cache: bool = False,
     model: Any = None,
     dtype: str = "fp32",
+    tower: str | None = None,
 ) -> dict[str, Any]:
-    """Load a ModelSource (HF directory or GGUF) and export it; the source is recorded in the
-    ONNX metadata so that `flashnorm compare --text` can find the tokenizer. `model`, if
-    given, is that source already loaded (several exports of one model load it once)."""
-    from flashnorm.export.sources import load_causal_lm
+    """Load a ModelSource (HF directory or GGUF) and export it: a causal LM to logits, an
+    encoder (`flashnorm.export.encoders`; `tower` picks a CLIP folder's) to its last hidden
+    state and pooled output. The source is recorded in the ONNX metadata so that `flashnorm
+    compare --text` can find the tokenizer. `model`, if given, is that source already loaded
+    (several exports of one model load it once)."""
+    from flashnorm.export.encoders import load_encoder
+    from flashnorm.export.sources import classify_source, load_causal_lm
 
     started = time.monotonic()
     dtype_name = torch_dtype_name(dtype)
+    encoder = classify_source(source, tower)
+    if encoder is not None and kv_cache:
+        raise FlashNormError(f"--kv-cache applies to causal LMs; {source.describe()} is a {encoder.family} encoder")
     if model is None:
         say(f"loading {source.describe()}")
-        model = load_causal_lm(source, dtype_name)
+        model = load_causal_lm(source, dtype_name) if encoder is None else load_encoder(source.directory, encoder, dtype_name)
     load_seconds = time.monotonic() - started
     metadata = {"flashnorm.source_dir": str(source.directory)}
     if source.gguf_file:
         metadata["flashnorm.gguf_file"] = source.gguf_file
-    report = export_causal_lm(model, output, dynamo=dynamo, opset=opset, kv_cache=kv_cache, metadata=metadata,
-                              dtype=dtype_name)
+    if encoder is not None:
+        report = export_encoder(model, encoder, output, dynamo=dynamo, opset=opset, dtype=dtype_name, metadata=metadata)
+    else:
+        report = export_causal_lm(model, output, dynamo=dynamo, opset=opset, kv_cache=kv_cache, metadata=metadata,
+                                  dtype=dtype_name)
     report["source"] = source.describe()
     report["load_seconds"] = round(load_seconds, 1)
     report["seconds"] = round(time.monotonic() - started, 1)

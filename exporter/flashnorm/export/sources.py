@@ -5,12 +5,15 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
-import json
 import os
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from flashnorm.errors import FlashNormError
+from flashnorm.export.checks import check_gguf, check_model_directory, read_json, safetensors_shards
+
+if TYPE_CHECKING:
+    from flashnorm.export.encoders import Encoder
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,7 +63,10 @@ KNOWN_MODELS: dict[str, Callable[[], ModelSource]] = {
 def resolve_source(path: str | os.PathLike[str] | None = None, model: str | None = None) -> ModelSource:
     """Turn a path (HF directory or .gguf file) or a registered model name into a ModelSource.
 
-    Raises FlashNormError with one line when the path does not exist or is not a model.
+    Raises FlashNormError with one line when the path does not exist or is not a model, and
+    when one of its files is one flashnorm does not read (`flashnorm.export.checks`: a FIFO or
+    device, a symlink out of the folder, a shard name that leaves it, a header that does not fit
+    its file).
     """
     if (path is None) == (model is None):
         raise FlashNormError("give either a model path or --model NAME (not both)")
@@ -68,25 +74,29 @@ def resolve_source(path: str | os.PathLike[str] | None = None, model: str | None
         key = model.lower()
         if key not in KNOWN_MODELS:
             raise FlashNormError(f"unknown model {model!r}; known: {', '.join(sorted(KNOWN_MODELS))}")
-        return KNOWN_MODELS[key]()
+        known = KNOWN_MODELS[key]()
+        if known.gguf_file:
+            check_gguf(known.directory / known.gguf_file)  # a package's file is read like any other
+        return known
     location = Path(path)
     if not location.exists():
         raise FlashNormError(f"model {location} does not exist (give a Hugging Face directory or a .gguf file)")
-    if location.is_file():
+    if not location.is_dir():
         if location.suffix.lower() != ".gguf":
             raise FlashNormError(
                 f"{location} is not a model: expected a Hugging Face directory or a .gguf file"
             )
+        check_gguf(location)
         return ModelSource(location.resolve().parent, location.name)
+    check_model_directory(location)
     config = location / "config.json"
     if not config.is_file():
         ggufs = sorted(p.name for p in location.glob("*.gguf"))
         hint = f" (it holds {', '.join(ggufs)}: pass the file)" if ggufs else ""
         raise FlashNormError(f"{location} is not a Hugging Face model directory: no config.json{hint}")
-    try:
-        json.loads(config.read_text())
-    except (OSError, ValueError) as exc:
-        raise FlashNormError(f"{config} is not readable JSON: {exc}") from None
+    if not isinstance(read_json(config, "config"), dict):
+        raise FlashNormError(f"{config} is not a Hugging Face config: not a JSON object")
+    safetensors_shards(location)
     return ModelSource(location.resolve())
 
 
@@ -131,3 +141,33 @@ def load_tokenizer(source: ModelSource):
     except (OSError, ValueError, KeyError) as exc:
         first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise FlashNormError(f"cannot load a tokenizer from {source.describe()}: {first_line}") from None
+
+
+def classify_source(source: ModelSource, tower: str | None = None) -> "Encoder | None":
+    """The encoder `source` is (`flashnorm.export.encoders.ENCODERS`), or None for a causal LM
+    (every GGUF file, and every model type transformers maps to AutoModelForCausalLM). Anything
+    else is refused in one line that names what `flashnorm export` takes."""
+    from flashnorm.export.encoders import encoder_for, supported_families
+
+    if source.gguf_file:
+        if tower is not None:
+            raise FlashNormError("--tower applies to two-tower (CLIP) folders, not a GGUF file")
+        return None
+    config = read_json(source.directory / "config.json", "config")
+    if not isinstance(config, dict):
+        raise FlashNormError(f"{source.directory / 'config.json'} is not a JSON object")
+    encoder = encoder_for(config, tower)
+    if encoder is not None:
+        return encoder
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    model_type = config.get("model_type")
+    if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        kind = config.get("architectures") or []
+        named = f"{kind[0]} (model_type {model_type!r})" if kind else f"model_type {model_type!r}"
+        raise FlashNormError(
+            f"unsupported architecture {named}: flashnorm export takes causal LMs (GPT-2, OPT, BLOOM, Falcon, "
+            f"Phi, GPT-NeoX, Llama, Mistral, Qwen, Gemma, ... any AutoModelForCausalLM) and the encoders "
+            f"{supported_families()}"
+        )
+    return None

@@ -10,18 +10,25 @@ import torch
 WRAPPED = "wrapped"
 
 
-class LogitsModel(torch.nn.Module):
-    """`(input_ids, attention_mask, position_ids) → logits`, no cache."""
+def _positions(position_ids: torch.Tensor | None) -> dict[str, torch.Tensor]:
+    # Models without position ids (BLOOM's ALiBi) are called without the keyword.
+    return {} if position_ids is None else {"position_ids": position_ids}
 
-    def __init__(self, model: torch.nn.Module) -> None:
+
+class LogitsModel(torch.nn.Module):
+    """`(input_ids, attention_mask, position_ids) → logits`, no cache; without `positions`,
+    `(input_ids, attention_mask) → logits`."""
+
+    def __init__(self, model: torch.nn.Module, positions: bool = True) -> None:
         super().__init__()
         setattr(self, WRAPPED, model)
+        self.positions = positions
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                position_ids: torch.Tensor | None = None) -> torch.Tensor:
         model = getattr(self, WRAPPED)
-        return model(
-            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
-        ).logits
+        return model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False,
+                     **_positions(position_ids)).logits
 
 
 class KVCacheModel(torch.nn.Module):
@@ -31,25 +38,21 @@ class KVCacheModel(torch.nn.Module):
     is a plain full-length DynamicCache per layer (verified on Llama-style models; sliding-
     window layers keep their whole history and rely on the mask)."""
 
-    def __init__(self, model: torch.nn.Module, num_layers: int) -> None:
+    def __init__(self, model: torch.nn.Module, num_layers: int, positions: bool = True) -> None:
         super().__init__()
         setattr(self, WRAPPED, model)
         self.num_layers = num_layers
+        self.positions = positions
 
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        attention_mask: torch.Tensor,
-        position_ids: torch.Tensor,
-        *past: torch.Tensor,
-    ) -> tuple[torch.Tensor, ...]:
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, *rest: torch.Tensor) -> tuple[torch.Tensor, ...]:
         from transformers import DynamicCache
 
+        position_ids, past = (rest[0], rest[1:]) if self.positions else (None, rest)
         model = getattr(self, WRAPPED)
         pairs = [(past[2 * i], past[2 * i + 1]) for i in range(self.num_layers)]
         cache = DynamicCache(ddp_cache_data=pairs)
         output = model(
-            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, cache=cache, use_cache=True
+            input_ids=input_ids, attention_mask=attention_mask, cache=cache, use_cache=True, **_positions(position_ids)
         )
         present: list[torch.Tensor] = []
         for layer in output.cache.layers:

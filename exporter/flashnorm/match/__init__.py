@@ -1,8 +1,8 @@
-"""Find every RMSNorm in a graph, whatever spelling the exporter used.
+"""Find every RMSNorm and LayerNorm in a graph, whatever spelling the exporter used.
 
-One module per spelling family (`decomposed`, `fused`), each returning the same `NormSite`;
-every site is accepted only after `selfcheck` has run its nodes on random inputs. LayerNorm
-(mean subtraction) is never accepted.
+One module per spelling family (`decomposed`, `fused`), each returning the same `NormSite`
+(its `kind` 'rms' or 'layer'); every site is accepted only after `selfcheck` has run its nodes
+on random inputs.
 """
 
 from __future__ import annotations
@@ -28,16 +28,12 @@ class MatchResult:
 
 
 def find_norm_candidates(graph: gs.Graph, rng: Optional[np.random.Generator] = None) -> MatchResult:
-    """Every accepted RMSNorm site (graph order) and every near-miss with the reason."""
+    """Every accepted norm site (graph order) and every near-miss with the reason."""
     graph_outputs = frozenset(t.name for t in graph.outputs)
     sites: list[NormSite] = []
     rejected: list[RejectedCandidate] = []
     claimed: set[int] = set()
     for node in graph.nodes:
-        if node.op == "LayerNormalization":
-            rejected.append(RejectedCandidate(node.name or node.outputs[0].name, "LayerNormalization",
-                                              "LayerNormalization subtracts the mean: not an RMSNorm"))
-            continue
         if id(node) in claimed:
             continue
         if decomposed.is_candidate(node):
@@ -62,5 +58,5 @@ def find_norm_candidates(graph: gs.Graph, rng: Optional[np.random.Generator] = N
 
 
 def find_norm_sites(graph: gs.Graph) -> list[NormSite]:
-    """Every RMSNorm site in `graph`, each verified numerically; LayerNorm never matched."""
+    """Every RMSNorm and LayerNorm site in `graph`, each verified numerically."""
     return find_norm_candidates(graph).sites

@@ -1,13 +1,17 @@
-"""RMSNorm written out op by op, in every spelling exporters emit:
+"""RMSNorm and LayerNorm written out op by op, in every spelling exporters emit:
 
+    LayerNorm . μ = ReduceMean(a, axes=[-1]), x = Sub(a, μ), up to two Casts (torch.onnx below
+                opset 17 casts x of a half model to double here); RMSNorm: x = a
     x² ........ Pow(x, 2) | Mul(x, x)
     mean ...... ReduceMean(·, axes=[-1], keepdims=1), axes as attribute or input (opset ≥ 18)
     + eps ..... Add(·, eps) either operand order (absent: eps = 0)
     1/rms ..... Sqrt → Div(x, ·)  |  Sqrt → Reciprocal → Mul  |  Sqrt → Div(1, ·) → Mul
                 |  Pow(·, -0.5) → Mul
-    then up to two Casts, an optional gain Mul (w, a Cast of w, or Add(w, 1)), up to two Casts.
+    then up to two Casts, an optional gain Mul (w, a Cast of w, or Add(w, 1)), up to two Casts,
+    and for a LayerNorm an optional bias Add (either operand order), up to two Casts.
 
-The anchor is the ReduceMean of a square; everything else is followed from there.
+The anchor is the ReduceMean of a square; everything else is followed from there. A mean
+subtracted in front of the square makes the site a LayerNorm (kind 'layer').
 """
 
 from __future__ import annotations
@@ -50,9 +54,9 @@ def match(reduce_mean: gs.Node, graph_outputs: frozenset[str] = frozenset()) -> 
 
     square = producer(reduce_mean.inputs[0])
     x = square_source(square)
-    _reject_mean_centered(x)
+    source, centring = _mean_centring(x)
     axis = _reduced_axis(reduce_mean, x)
-    nodes = [square, reduce_mean]
+    nodes = [*centring, square, reduce_mean]
 
     mean_square = reduce_mean.outputs[0]
     eps, after_eps = 0.0, mean_square
@@ -89,10 +93,20 @@ def match(reduce_mean: gs.Node, graph_outputs: frozenset[str] = frozenset()) -> 
             gain_node, gain_index, output = mul, index, mul.outputs[0]
             output, output_cast = casts(output, output_cast)
 
+    bias = bias_node = bias_index = None
+    add = only_consumer(output, "Add") if centring else None
+    if add is not None:
+        index = 1 if add.inputs[0] is output else 0
+        bias = read_gain(add.inputs[index])  # a bias reads like a gain: a constant per-channel vector
+        if bias is not None:
+            nodes.append(add)
+            bias_node, bias_index, output = add, index, add.outputs[0]
+            output, output_cast = casts(output, output_cast)
+
     return NormSite(
         name=output.name,
         spelling=SPELLING,
-        input=x,
+        input=source,
         output=output,
         nodes=nodes,
         eps=eps,
@@ -100,23 +114,36 @@ def match(reduce_mean: gs.Node, graph_outputs: frozenset[str] = frozenset()) -> 
         gain=None if gain is None else gain.value,
         gain_convention="none" if gain is None else gain.convention,
         gain_tensor=None if gain is None else gain.tensor,
-        hidden_size=last_dim(x) or (None if gain is None else int(gain.value.size)),
+        hidden_size=last_dim(source) or (None if gain is None else int(gain.value.size)),
         gain_node=gain_node,
         gain_index=gain_index,
         gain_dtype=None if gain is None else gain.dtype,
-        data_inputs=[x],
+        data_inputs=[source],
         output_cast=output_cast,
+        kind="layer" if centring else "rms",
+        bias=None if bias is None else bias.value,
+        bias_tensor=None if bias is None else bias.tensor,
+        bias_node=bias_node,
+        bias_index=bias_index,
+        bias_dtype=None if bias is None else bias.dtype,
     )
 
 
-def _reject_mean_centered(x: gs.Tensor) -> None:
-    """x = a − mean(a) makes this a LayerNorm; FlashNorm never touches those."""
+def _mean_centring(x: gs.Tensor) -> tuple[gs.Tensor, list[gs.Node]]:
+    """(a, [ReduceMean, Sub, Casts...]) when x = Cast*(a − mean(a, -1)), the centring of a
+    LayerNorm; (x, []) otherwise."""
+    casts: list[gs.Node] = []
     node = producer(x)
+    while node is not None and node.op == "Cast" and len(casts) < _MAX_CASTS:
+        casts.insert(0, node)
+        node = producer(node.inputs[0])
     if node is None or node.op != "Sub" or len(node.inputs) != 2:
-        return
-    mean = producer(node.inputs[1])
-    if mean is not None and mean.op == "ReduceMean" and mean.inputs[0] is node.inputs[0]:
-        raise Rejected("input is mean-centred (x − mean(x)): a LayerNorm, not an RMSNorm")
+        return x, []
+    a, mean = node.inputs[0], producer(node.inputs[1])
+    if mean is None or mean.op != "ReduceMean" or not mean.inputs or mean.inputs[0] is not a:
+        return x, []
+    _reduced_axis(mean, a)  # the mean over the last axis only, as the variance's
+    return a, [mean, node, *casts]
 
 
 def _reduced_axis(reduce_mean: gs.Node, x: gs.Tensor) -> int:

@@ -54,6 +54,12 @@ def gain_slot_shape(site: "NormSite") -> tuple[int, ...]:
     return tuple(value.shape) if value is not None else (site.gain.size,)
 
 
+def bias_slot_shape(site: "NormSite") -> tuple[int, ...]:
+    """The shape a LayerNorm's bias has where the site reads it (as `gain_slot_shape`)."""
+    value = constant_value(site.bias_node.inputs[site.bias_index])
+    return tuple(value.shape) if value is not None else (site.bias.size,)
+
+
 def _numeric(dtype: np.dtype) -> np.dtype:
     """ml_dtypes' bfloat16 is not a numpy floating subtype; treat it as one."""
     return np.dtype(np.float32) if dtype.name == "bfloat16" else dtype

@@ -1,10 +1,13 @@
 """Numeric self-check: a matched site is accepted only if its own nodes, cut out of the graph
-and run in ONNX Runtime on random inputs, compute x / sqrt(mean(x², -1) + eps) · gain.
+and run in ONNX Runtime on random inputs, compute its kind's formula in float64:
+x / sqrt(mean(x², -1) + eps) · gain (RMSNorm), or (x − μ) / sqrt(mean((x − μ)², -1) + eps) · gain
++ bias with μ = mean(x, -1) (LayerNorm).
 
 Structure alone can fool a matcher (a wrong exponent, a reduction over the wrong axis, an eps
 read from the wrong operand); the numbers cannot. The check runs in float32 whatever the
 model's dtype (every float Cast and constant is widened), because it tests the formula, not
-the precision. Rows are scaled from 1e-3 to 10 so that eps is visible in the result.
+the precision. Rows are scaled from 1e-3 to 10 so that eps is visible in the result, and have
+a mean so that a missing (or spurious) mean subtraction is too.
 """
 
 from __future__ import annotations
@@ -17,7 +20,8 @@ import onnx_graphsurgeon as gs
 from onnx import TensorProto, helper, numpy_helper
 
 from flashnorm.match.queries import constant_value, tensor_rank
-from flashnorm.match.gain import gain_slot_shape
+from flashnorm.match.fused import FUSED_OPS
+from flashnorm.match.gain import bias_slot_shape, gain_slot_shape
 from flashnorm.match.rejection import Rejected
 from flashnorm.match.site import NormSite
 
@@ -28,7 +32,7 @@ _ATOL = 1e-4
 
 
 def self_check(site: NormSite, opset: int, rng: Optional[np.random.Generator] = None) -> None:
-    """Raise Rejected unless the site's subgraph computes its RMSNorm formula."""
+    """Raise Rejected unless the site's subgraph computes its kind's formula."""
     rng = rng or np.random.default_rng()
     model, feed_names = _extract(site, opset)
     hidden = site.hidden_size or _DEFAULT_HIDDEN
@@ -55,20 +59,27 @@ def self_check(site: NormSite, opset: int, rng: Optional[np.random.Generator] = 
     scale = max(float(np.max(np.abs(site.gain))) if site.gain is not None else 1.0, 1e-30)
     if actual.shape != expected.shape or not np.allclose(actual, expected, rtol=_RTOL, atol=_ATOL * scale):
         worst = float(np.max(np.abs(actual - expected))) if actual.shape == expected.shape else float("nan")
+        formula = (f"(x−μ)/sqrt(mean((x−μ)²)+{site.eps:g})·gain+bias" if site.kind == "layer"
+                   else f"x/sqrt(mean(x²)+{site.eps:g})·gain")
         raise Rejected(
-            f"numeric self-check failed: subgraph differs from x/sqrt(mean(x²)+{site.eps:g})·gain "
+            f"numeric self-check failed: subgraph differs from {formula} "
             f"(max abs diff {worst:.3g}, shapes {actual.shape} vs {expected.shape})"
         )
 
 
 def _reference(site: NormSite, data: list[np.ndarray]) -> np.ndarray:
     x = sum(d.astype(np.float64) for d in data)
-    if site.spelling == "SkipSimplifiedLayerNormalization" and len(site.nodes[0].inputs) > 3:
-        bias = constant_value(site.nodes[0].inputs[3])
+    fused = FUSED_OPS.get(site.spelling)
+    if fused is not None and fused.sum_bias is not None and len(site.nodes[0].inputs) > fused.sum_bias:
+        bias = constant_value(site.nodes[0].inputs[fused.sum_bias])
         if bias is not None:
             x = x + bias.astype(np.float64)
+    if site.kind == "layer":
+        x = x - np.mean(x, axis=-1, keepdims=True)
     y = x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + site.eps)
-    return y if site.gain is None else y * site.gain.reshape(gain_slot_shape(site))
+    if site.gain is not None:
+        y = y * site.gain.reshape(gain_slot_shape(site))
+    return y if site.bias is None else y + site.bias.reshape(bias_slot_shape(site))
 
 
 def _extract(site: NormSite, opset: int) -> tuple[onnx.ModelProto, list[str]]:
@@ -112,6 +123,6 @@ def _extract(site: NormSite, opset: int) -> tuple[onnx.ModelProto, list[str]]:
 def _widen(node: gs.Node, key: str, value):
     if node.op == "Cast" and key == "to" and int(value) in _FLOAT_TYPES:
         return TensorProto.FLOAT
-    if node.op in ("RMSNormalization", "SimplifiedLayerNormalization") and key == "stash_type":
+    if node.op in ("RMSNormalization", "SimplifiedLayerNormalization", "LayerNormalization") and key == "stash_type":
         return 1
     return value

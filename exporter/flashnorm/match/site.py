@@ -11,7 +11,10 @@ import onnx_graphsurgeon as gs
 
 @dataclasses.dataclass
 class NormSite:
-    """One RMSNorm in a graph: y = x / sqrt(mean(x², axis=-1) + eps) · gain.
+    """One norm in a graph, of one of two kinds:
+
+    'rms':   y = x / sqrt(mean(x², axis=-1) + eps) · gain
+    'layer': y = (x − μ) / sqrt(mean((x − μ)², axis=-1) + eps) · gain + bias,  μ = mean(x, axis=-1)
 
     A matcher fills every field; passes read them and never re-walk the norm's nodes.
     """
@@ -20,8 +23,9 @@ class NormSite:
     """Stable identifier used in reports (the name of the site's output tensor)."""
 
     spelling: str
-    """The family that matched: 'decomposed', 'RMSNormalization',
-    'SimplifiedLayerNormalization' or 'SkipSimplifiedLayerNormalization'."""
+    """The family that matched: 'decomposed' (either kind), 'RMSNormalization',
+    'SimplifiedLayerNormalization', 'SkipSimplifiedLayerNormalization', 'LayerNormalization' or
+    'SkipLayerNormalization'."""
 
     input: gs.Variable
     """The tensor that is normalized (for the Skip form: the residual sum's inputs live in
@@ -69,10 +73,30 @@ class NormSite:
     output_cast: Optional[int] = None
     """ONNX dtype of a Cast between the normalization and `output`, if any."""
 
+    kind: str = "rms"
+    """'rms' (RMSNorm) or 'layer' (LayerNorm: subtracts the mean, may add a bias)."""
+
+    bias: Optional[np.ndarray] = None
+    """LayerNorm only: the per-channel bias b in float64, or None when the norm adds none."""
+
+    bias_tensor: Optional[gs.Constant] = None
+    """The initializer that stores the bias."""
+
+    bias_node: Optional[gs.Node] = None
+    """The node that adds the bias (the Add, or the fused norm node)."""
+
+    bias_index: Optional[int] = None
+    """Which input of `bias_node` carries the bias: a fold writes zeros there."""
+
+    bias_dtype: Optional[np.dtype] = None
+    """The dtype the bias has where `bias_node` reads it."""
+
     @property
     def consumers(self) -> list[gs.Node]:
         return list(self.output.outputs)
 
     @property
     def is_weightless(self) -> bool:
-        return self.gain is None or bool(np.all(self.gain == 1.0))
+        """No gain other than ones and, for a LayerNorm, no bias other than zeros."""
+        gainless = self.gain is None or bool(np.all(self.gain == 1.0))
+        return gainless and (self.bias is None or not np.any(self.bias))

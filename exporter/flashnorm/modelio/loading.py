@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 from pathlib import Path
 
 import onnx
@@ -20,52 +21,74 @@ from flashnorm.modelio.graphwalk import all_constants
 from flashnorm.modelio.modelgraph import ModelGraph
 from flashnorm.modelio.values import ExternalValues, stored_values, tensor_nbytes, type_name
 from flashnorm.progress import ByteProgress
+from flashnorm.untrusted import InputFile, confined
 
-def _external_range(tensor: onnx.TensorProto, base_dir: Path) -> tuple[Path, int, int]:
-    """Resolve one external tensor's data range and check that it can be read."""
-    entry = {e.key: e.value for e in tensor.external_data}
-    location = entry.get("location", "")
-    if Path(location).is_absolute() or ".." in Path(location).parts:
-        raise FlashNormError(
-            f"tensor {tensor.name!r}: external data location {location!r} must be a relative path inside {base_dir}"
-        )
-    path = base_dir / location
-    if not location or not path.is_file():
-        raise FlashNormError(f"external data file {location!r} of tensor {tensor.name!r} not found in {base_dir}")
-    if not os.access(path, os.R_OK):
-        raise FlashNormError(f"external data file {path} (tensor {tensor.name!r}) is not readable")
-    expected = tensor_nbytes(tensor.data_type, tensor.dims)
-    if expected is None:
-        raise FlashNormError(f"tensor {tensor.name!r} of type {type_name(tensor)} cannot be stored as external data")
+_DIGITS = re.compile(r"[0-9]+")
+
+
+class _DataFiles:
+    """The external-data files of one model, each opened once (`InputFile`) the first time a
+    tensor names it and read through that descriptor for as long as the graph lives."""
+
+    def __init__(self, model: InputFile) -> None:
+        self.model, self.folder = model, Path(os.path.realpath(model.path)).parent
+        self.opened: dict[Path, InputFile] = {}
+
+    def range(self, tensor: onnx.TensorProto) -> tuple[InputFile, int, int]:
+        """One external tensor's data file, offset and length, checked against the file: its
+        location confined to the model's folder, the file regular, the range inside it."""
+        entry = {e.key: e.value for e in tensor.external_data}
+        named = f"tensor {tensor.name!r}"
+        location = entry.get("location", "")
+        path = confined(location, self.folder, f"{named}: external data location")
+        if not path.exists():
+            raise FlashNormError(f"external data file {location!r} of {named} not found in {self.folder}")
+        if not os.access(path, os.R_OK):
+            raise FlashNormError(f"external data file {path} ({named}) is not readable")
+        if any(d < 0 for d in tensor.dims):
+            raise FlashNormError(f"{named} has a negative dimension {list(tensor.dims)}")
+        expected = tensor_nbytes(tensor.data_type, tensor.dims)
+        if expected is None:
+            raise FlashNormError(f"{named} of type {type_name(tensor)} cannot be stored as external data")
+        offset_text, length_text = entry.get("offset", "0"), entry.get("length", str(expected))
+        if not _DIGITS.fullmatch(offset_text) or not _DIGITS.fullmatch(length_text):
+            raise FlashNormError(f"{named}: malformed external data offset {offset_text!r} or length {length_text!r}")
+        offset, length = int(offset_text), int(length_text)
+        if length != expected:
+            raise FlashNormError(
+                f"{named}: external data length {length} does not match its shape and type ({expected} bytes)"
+            )
+        data = self.opened.get(path)
+        if data is None:
+            data = self.opened[path] = InputFile(path, "external data file", within=self.folder)
+        if offset + length > data.size:
+            raise FlashNormError(
+                f"external data file {path} is truncated: {named} needs bytes "
+                f"{offset}..{offset + length}, the file has {data.size}"
+            )
+        return data, offset, length
+
+
+def _parse_model(source: InputFile, initializer_headers_only: bool = False) -> onnx.ModelProto:
+    """The model in `source`, refused cheaply before any parse where its size cannot be a
+    model's, and parsed with every length bounded by the file (`wire.read_model`)."""
+    path, size = source.path, source.size
+    if size == 0:
+        raise FlashNormError(f"{path} is not an ONNX model: the file is empty")
+    if size >= wire.PROTOBUF_LIMIT:
+        raise FlashNormError(f"{path} is not an ONNX model: {size / 1e9:.2f} GB is over protobuf's 2 GiB limit "
+                             "for one model file (weights that large live in external data)")
     try:
-        offset = int(entry.get("offset", "0"))
-        length = int(entry.get("length", expected))
-    except ValueError:
-        raise FlashNormError(f"tensor {tensor.name!r}: malformed external data offset or length") from None
-    if length != expected:
-        raise FlashNormError(
-            f"tensor {tensor.name!r}: external data length {length} does not match "
-            f"its shape and type ({expected} bytes)"
-        )
-    size = path.stat().st_size
-    if offset < 0 or offset + length > size:
-        raise FlashNormError(
-            f"external data file {path} is truncated: tensor {tensor.name!r} needs bytes "
-            f"{offset}..{offset + length}, the file has {size}"
-        )
-    return path, offset, length
-
-
-def _parse_model(path: Path, initializer_headers_only: bool = False) -> onnx.ModelProto:
-    try:
-        size = path.stat().st_size
         progress = ByteProgress(f"loading {path.name}", size)
-        with open(path, "rb") as handle:
+        os.lseek(source.fd, 0, os.SEEK_SET)
+        with open(source.fd, "rb", closefd=False) as handle:
             model = wire.read_model(handle, size, progress.step, initializer_headers_only)
         progress.finish()
-    except (DecodeError, wire.Truncated):
-        too_large = " (over protobuf's 2 GiB limit)" if path.stat().st_size >= wire.PROTOBUF_LIMIT else ""
-        raise FlashNormError(f"{path} is not an ONNX model: protobuf parse failed{too_large}") from None
+    except wire.Truncated:
+        raise FlashNormError(f"{path} is not an ONNX model: protobuf parse failed (a field runs past its "
+                             "message or the end of the file)") from None
+    except DecodeError as exc:
+        raise FlashNormError(f"{path} is not an ONNX model: protobuf parse failed ({exc})") from None
     except OSError as exc:
         raise FlashNormError(f"cannot read {path}: {exc.strerror}") from None
     if model.ir_version == 0 and not model.HasField("graph"):
@@ -76,29 +99,29 @@ def _parse_model(path: Path, initializer_headers_only: bool = False) -> onnx.Mod
 def load(path: str | os.PathLike[str]) -> ModelGraph:
     """Load an ONNX model as an onnx-graphsurgeon Graph without reading its external data.
 
-    External initializers stay on disk until a pass reads `constant.values`; opset imports,
-    model-local functions, ir_version, producer and model metadata are kept for `save`, in copies
-    (`graph.copy()`) too.
-    Raises FlashNormError (one line) for a missing or unreadable file, a file that is not
-    ONNX, a model the ONNX checker rejects, and missing or truncated external data."""
-    source = _readable_model_file(path)
+    External initializers stay on disk until a pass reads `constant.values`, each data file
+    read through one descriptor opened here (`ExternalValues`), so a file replaced while the
+    command runs is never mixed in (`save` refuses it). Opset imports, model-local functions,
+    ir_version, producer and model metadata are kept for `save`, in copies (`graph.copy()`) too.
+    Raises FlashNormError (one line) for a missing or unreadable file, a file that is not a
+    regular file or not ONNX, a model the ONNX checker rejects, and external data that is
+    missing, truncated, not a regular file or outside the model's folder."""
+    source = _open_model(path)
     model = _parse_model(source)
-    check(source, model)
+    check(source.path, model)
 
-    model_path = source.resolve()
-    external = {
-        tensor.name: _external_range(tensor, model_path.parent)
-        for tensor in _get_all_tensors(model)
-        if uses_external_data(tensor)
-    }
+    data_files = _DataFiles(source)
+    for tensor in _get_all_tensors(model):
+        if uses_external_data(tensor):
+            data_files.range(tensor)  # every location checked, whether or not the graph keeps it
     graph = gs.import_onnx(model)
-    if external:
+    if data_files.opened:
         for constant in all_constants(graph):
             values = stored_values(constant)
             if isinstance(values, LazyValues) and not isinstance(values, SparseValues):
                 if uses_external_data(values.tensor):
-                    file, offset, length = external[values.tensor.name]
-                    constant.values = ExternalValues(values.tensor, file, offset, length, model_path)
+                    data, offset, length = data_files.range(values.tensor)
+                    constant.values = ExternalValues(values.tensor, data, offset, length, source)
 
     fields = onnx.ModelProto()
     fields.doc_string, fields.domain, fields.model_version = model.doc_string, model.domain, model.model_version
@@ -120,8 +143,12 @@ class ModelInterface:
 def read_header(path: str | os.PathLike[str]) -> onnx.ModelProto:
     """An ONNX file's model without the values of its initializers: their names, data types and
     shapes are kept, the payloads (inline or external) are skipped unread. Raises FlashNormError
-    (one line) for a missing or unreadable file or one that is not ONNX."""
-    return _parse_model(_readable_model_file(path), initializer_headers_only=True)
+    (one line) for a missing or unreadable file, one that is not a regular file, or not ONNX."""
+    source = _open_model(path)
+    try:
+        return _parse_model(source, initializer_headers_only=True)
+    finally:
+        source.close()
 
 
 def read_interface(path: str | os.PathLike[str]) -> ModelInterface:
@@ -137,20 +164,31 @@ def read_interface(path: str | os.PathLike[str]) -> ModelInterface:
     )
 
 
-def _readable_model_file(path: str | os.PathLike[str]) -> Path:
+def _open_model(path: str | os.PathLike[str]) -> InputFile:
+    """The model file, opened once: never a wait on a FIFO, never a device."""
     source = Path(path)
-    if not source.is_file():
+    if not source.exists() or source.is_dir():
         raise missing_file("model", source)
     if not os.access(source, os.R_OK):
         raise FlashNormError(f"model file {source} is not readable")
-    return source
+    return InputFile(source, "model")
 
 
 def external_data_files(path: str | os.PathLike[str]) -> list[Path]:
-    """The external-data files an ONNX model names (resolved beside it), read without its
-    weights. Raises FlashNormError (one line) for a file that is not ONNX."""
-    model = read_header(path)
-    base = Path(os.path.realpath(path)).parent
-    locations = {entry.value for tensor in _get_all_tensors(model) if uses_external_data(tensor)
-                 for entry in tensor.external_data if entry.key == "location"}
-    return sorted(base / location for location in locations if location)
+    """The external-data files an ONNX model names, resolved, each checked as `load` checks
+    it (confined to the model's folder after resolving symlinks, a regular file, every tensor's
+    range inside it), without reading any weight. Raises FlashNormError (one line) for a file
+    that is not ONNX and for any location `load` would refuse: the path guard calls it before
+    a command starts, so every command refuses them at once."""
+    source = _open_model(path)
+    try:
+        model = _parse_model(source, initializer_headers_only=True)
+        data_files = _DataFiles(source)
+        for tensor in _get_all_tensors(model):
+            if uses_external_data(tensor):
+                data_files.range(tensor)
+        for data in data_files.opened.values():
+            data.close()
+        return sorted(data_files.opened)
+    finally:
+        source.close()

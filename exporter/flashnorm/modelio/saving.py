@@ -18,16 +18,19 @@ import numpy as np
 import onnx
 import onnx.numpy_helper
 import onnx_graphsurgeon as gs
+from onnx.external_data_helper import _get_all_tensors, uses_external_data
 from onnx_graphsurgeon.exporters.onnx_exporter import constant_to_onnx_tensor, dtype_to_onnx
 from onnx_graphsurgeon.ir.tensor import LazyValues, SparseValues
 
 from flashnorm.errors import FlashNormError
-from flashnorm.files import StagedFile, commit_together, discard_all
+from flashnorm.files import StagedFile, commit_with_data, discard_all
 from flashnorm.modelio import wire
 from flashnorm.modelio.graphwalk import all_constants, initializers
+from flashnorm.modelio.loading import read_header
 from flashnorm.modelio.modelgraph import ModelGraph
 from flashnorm.modelio.values import PACKED_BITS, DerivedValues, ExternalValues, stored_values, tensor_nbytes
 from flashnorm.progress import ByteProgress
+from flashnorm.untrusted import InputFile, confined
 
 # Above this many initializer bytes a model is saved with external data unless told otherwise:
 # a margin below protobuf's 2 GiB message limit, left for the graph structure itself.
@@ -53,7 +56,7 @@ class _Stream:
     constant: gs.Constant
     header: onnx.TensorProto
     nbytes: int
-    file: Path | None = None
+    file: InputFile | None = None
     offset: int = 0
     buffer: Callable[[], memoryview | bytes] | None = None
 
@@ -82,7 +85,7 @@ def _stream(constant: gs.Constant) -> _Stream | None:
     values = stored_values(constant)
     if isinstance(values, ExternalValues):
         header = _header(constant.name, values.tensor.dims, values.tensor.data_type)
-        return _Stream(constant, header, values.length, file=values.path, offset=values.offset)
+        return _Stream(constant, header, values.length, file=values.data, offset=values.offset)
     if isinstance(values, DerivedValues):
         try:
             data_type = dtype_to_onnx(values.dtype)
@@ -148,37 +151,30 @@ def _write_all(fd: int, data: memoryview | bytes, progress: ByteProgress | None 
             progress.step(min(_CHUNK_BYTES, len(view) - start))
 
 
-def _copy_range(source: Path, offset: int, length: int, fd: int, progress: ByteProgress) -> None:
-    """Copy `length` bytes at `offset` of `source` to the current position of `fd` in chunks,
-    inside the kernel where the platform allows (no user-space copy at all)."""
-    try:
-        handle = open(source, "rb", buffering=0)
-    except OSError as exc:
-        raise FlashNormError(f"cannot read external data {source}: {exc.strerror}") from None
-    with handle:
-        src = handle.fileno()
-        remaining, position = length, offset
-        kernel_copy = hasattr(os, "copy_file_range")
-        while remaining:
-            count = min(remaining, _CHUNK_BYTES)
-            copied = 0
-            if kernel_copy:
-                try:
-                    copied = os.copy_file_range(src, fd, count, position)
-                except OSError:  # e.g. across file systems on older kernels
-                    copied = 0
-                # 0 bytes can also mean "not supported here": let pread tell what the file holds.
-                kernel_copy = copied > 0
-            if not kernel_copy:
-                data = os.pread(src, count, position)
-                _write_all(fd, data)
-                copied = len(data)
-            if copied == 0:
-                raise FlashNormError(f"external data file {source} ends before byte {offset + length}")
-            remaining -= copied
-            position += copied
-            progress.step(copied)
-
+def _copy_range(source: InputFile, offset: int, length: int, fd: int, progress: ByteProgress) -> None:
+    """Copy `length` bytes at `offset` of `source` (through the descriptor `load` opened) to the
+    current position of `fd` in chunks, inside the kernel where the platform allows (no
+    user-space copy at all)."""
+    src = source.fd
+    remaining, position = length, offset
+    kernel_copy = hasattr(os, "copy_file_range")
+    while remaining:
+        count = min(remaining, _CHUNK_BYTES)
+        copied = 0
+        if kernel_copy:
+            try:
+                copied = os.copy_file_range(src, fd, count, position)
+            except OSError:  # e.g. across file systems on older kernels
+                copied = 0
+            # 0 bytes can also mean "not supported here": let pread tell what the file holds.
+            kernel_copy = copied > 0
+        if not kernel_copy:
+            data = source.read_at(position, count)
+            _write_all(fd, data)
+            copied = len(data)
+        remaining -= copied
+        position += copied
+        progress.step(copied)
 
 
 # --------------------------------------------------------------------------------------------
@@ -192,11 +188,13 @@ def save(graph: gs.Graph, path: str | os.PathLike[str], *, external_data: bool |
     `external_data=None` chooses it when the loaded model used external data or the
     initializers exceed ~1.8 GB. Unchanged external tensors are copied file-to-file; changed
     tensors are written from their arrays. Both files are written under temporary names and
-    renamed into place (data first) only when complete; a model already at the destination is
-    moved aside before, so a crash between the two renames leaves no model there rather than
-    one that reads the new data at its old offsets. The input model and its data are never
-    modified; saving over the input itself works. Afterwards, lazily loaded constants that
-    were written to external data read from the saved data file."""
+    put in place by `files.commit_with_data`: replacing an existing model and its data, at
+    every instant the destination holds the old pair or the new pair, complete. Before
+    anything is put in place, every model and data file the weights were read from is checked
+    to be the file `load` opened, unchanged (else one line, nothing written): an output never
+    mixes two versions of an input. The input model and its data are never modified; saving
+    over the input itself works. Afterwards, lazily loaded constants that were written to
+    external data read from the saved data file."""
     destination = Path(path)
     constants = all_constants(graph)
     if external_data is None:
@@ -238,17 +236,16 @@ def save(graph: gs.Graph, path: str | os.PathLike[str], *, external_data: bool |
             progress = ByteProgress(label, sum(s.nbytes for s in streams))
             _write_data_file(streams, data_file.fd, data_path.name, progress)
             model = _export(graph)
-            model_file = StagedFile(destination)
-            staged.append(model_file)
-            _write_all(model_file.fd, model.SerializeToString())
+            _check_sources_unchanged(originals.values())
+            data_path = commit_model_with_data(model, data_file, destination,
+                                               keep=_input_data(originals.values(), destination))
         else:
             model = _export(graph)
             model_file = StagedFile(destination)
             staged.append(model_file)
             _write_inline_model(model, streams, model_file.fd, destination, label)
-        # Data first: a committed model file never names missing data, and an old model at
-        # the destination is moved aside meanwhile (it would read the new data at its offsets).
-        commit_together(staged)
+            _check_sources_unchanged(originals.values())
+            model_file.commit()
     except BaseException:
         discard_all(staged)
         for constant in constants:
@@ -259,6 +256,65 @@ def save(graph: gs.Graph, path: str | os.PathLike[str], *, external_data: bool |
     else:
         for constant in constants:
             constant.values = originals[id(constant)]
+
+
+def _check_sources_unchanged(values: Iterable[object]) -> None:
+    """Refuse (one line) if any model or data file lazily read weights come from was replaced
+    or rewritten since `load` opened it."""
+    checked: set[int] = set()
+    for stored in values:
+        origin = _origin(stored)
+        if isinstance(origin, ExternalValues) and id(origin.data) not in checked:
+            checked.add(id(origin.data))
+            origin.check_unchanged()
+
+
+def commit_model_with_data(model: onnx.ModelProto, data: StagedFile, destination: Path, *,
+                           keep: Iterable[Path] = ()) -> Path:
+    """Put `model` at `destination` with its staged data file (`data`, written for the name
+    `data.path.name` that `model`'s external tensors give) through `files.commit_with_data`:
+    replacing an earlier output, at every instant the old pair or the new pair is complete,
+    and the earlier output's data file goes once the new model is in place (never a file in
+    `keep`). Returns where the data file went."""
+    written = data.path.name
+    return commit_with_data(data, destination, lambda location: _relocated(model, written, location),
+                            old_data=_named_data(destination), keep=list(keep))
+
+
+def _named_data(model: Path) -> list[Path]:
+    """The data files the model now at `model` names (none if it is not an ONNX model)."""
+    if not model.is_file():
+        return []
+    try:
+        header = read_header(model)
+        folder = Path(os.path.realpath(model)).parent
+        return [confined(entry.value, folder, "location")
+                for tensor in _get_all_tensors(header) if uses_external_data(tensor)
+                for entry in tensor.external_data if entry.key == "location"]
+    except FlashNormError:
+        return []
+
+
+def _input_data(values: Iterable[object], destination: Path) -> set[Path]:
+    """The data files of the input models other than the one at `destination`."""
+    model = destination.resolve()
+    return {origin.path for origin in map(_origin, values)
+            if isinstance(origin, ExternalValues) and origin.model.resolve() != model}
+
+
+def _relocated(model: onnx.ModelProto, written: str, location: str) -> bytes:
+    """`model` serialized with its external tensors written to `written` naming `location`."""
+    for tensor in _get_all_tensors(model):
+        for entry in tensor.external_data:
+            if entry.key == "location" and entry.value == written:
+                entry.value = location
+    try:
+        return model.SerializeToString()
+    finally:
+        for tensor in _get_all_tensors(model):
+            for entry in tensor.external_data:
+                if entry.key == "location" and entry.value == location:
+                    entry.value = written
 
 
 def _needs_whole_proto(values: object) -> bool:
@@ -359,12 +415,16 @@ def _rebind(
     read from the saved data file (the input's may have been replaced); lazy ones written
     inside the model keep that inline copy, which depends on no data file."""
     written = {id(stream.constant): stream for stream in streams}
+    saved: tuple[InputFile, InputFile] | None = None
     for constant in constants:
         original = originals[id(constant)]
         stream = written.get(id(constant))
         if stream is not None and isinstance(original, LazyValues):
-            offset = int({e.key: e.value for e in stream.header.external_data}["offset"])
-            constant.values = ExternalValues(stream.header, data_path, offset, stream.nbytes, model)
+            if saved is None:
+                saved = InputFile(data_path, "saved data file"), InputFile(model, "saved model")
+            entries = {e.key: e for e in stream.header.external_data}
+            entries["location"].value = data_path.name
+            constant.values = ExternalValues(stream.header, saved[0], int(entries["offset"].value), stream.nbytes, saved[1])
         elif isinstance(original, (ExternalValues, DerivedValues)):
             constant.values = LazyValues(stored_values(constant).tensor)
         else:

@@ -17,7 +17,7 @@ import onnx.numpy_helper
 import onnx_graphsurgeon as gs
 from onnx_graphsurgeon.ir.tensor import LazyValues
 
-from flashnorm.errors import FlashNormError
+from flashnorm.untrusted import InputFile
 
 # Bits per element of the sub-byte types, whose raw_data is packed.
 PACKED_BITS = {
@@ -64,18 +64,6 @@ def tensor_nbytes(data_type: int, dims: Iterable[int]) -> int | None:
         return None
 
 
-def _read_bytes(path: Path, offset: int, length: int) -> bytes:
-    try:
-        with open(path, "rb") as handle:
-            handle.seek(offset)
-            data = handle.read(length)
-    except OSError as exc:
-        raise FlashNormError(f"cannot read external data {path}: {exc.strerror}") from None
-    if len(data) != length:
-        raise FlashNormError(f"external data file {path} ends before byte {offset + length}")
-    return data
-
-
 def _inline_copy(tensor: onnx.TensorProto, raw: bytes) -> onnx.TensorProto:
     inline = onnx.TensorProto()
     inline.CopyFrom(tensor)
@@ -87,34 +75,45 @@ def _inline_copy(tensor: onnx.TensorProto, raw: bytes) -> onnx.TensorProto:
 
 class ExternalValues(LazyValues):
     """A tensor stored in an external data file. `tensor` is its TensorProto (location,
-    offset, length; no data), `path` the resolved data file, `model` the model file that
-    refers to it. `load()` reads exactly that byte range into one NumPy array; the TensorProto
-    is never filled in, so reading a weight never leaves a second copy behind."""
+    offset, length; no data), `data` the data file as `load` opened it, `model_file` the model
+    file that refers to it. `load()` reads exactly that byte range, through the descriptor
+    opened when the model was loaded, into one NumPy array; the TensorProto is never filled
+    in, so reading a weight never leaves a second copy behind. `check_unchanged()` refuses
+    (one line) a model or data file that was replaced or rewritten since it was opened."""
 
-    def __init__(self, tensor: onnx.TensorProto, path: Path, offset: int, length: int, model: Path) -> None:
+    def __init__(self, tensor: onnx.TensorProto, data: InputFile, offset: int, length: int, model_file: InputFile) -> None:
         super().__init__(tensor)
-        self.path, self.offset, self.length, self.model = path, offset, length, model
+        self.data, self.offset, self.length, self.model_file = data, offset, length, model_file
         self.nbytes = length
+
+    @property
+    def path(self) -> Path:
+        """The data file, resolved."""
+        return self.data.path
+
+    @property
+    def model(self) -> Path:
+        """The model file that names the data file."""
+        return self.model_file.path
 
     def load(self) -> np.ndarray:
         data_type = self.tensor.data_type
         dims = tuple(int(d) for d in self.tensor.dims)
         if data_type in PACKED_BITS:
-            raw = _read_bytes(self.path, self.offset, self.length)
+            raw = self.data.read_at(self.offset, self.length)
             return np.array(onnx.numpy_helper.to_array(_inline_copy(self.tensor, raw)))
         dtype = np.dtype(onnx.helper.tensor_dtype_to_np_dtype(data_type))
-        count = math.prod(dims)
-        try:
-            values = np.fromfile(self.path, dtype=dtype.newbyteorder("<"), count=count, offset=self.offset)
-        except OSError as exc:
-            raise FlashNormError(f"cannot read external data {self.path}: {exc.strerror}") from None
-        if values.size != count:
-            raise FlashNormError(f"external data file {self.path} ends before byte {self.offset + self.length}")
-        return values.astype(dtype, copy=False).reshape(dims)
+        values = np.empty(dims, dtype=dtype.newbyteorder("<"))
+        self.data.read_into(memoryview(values.reshape(-1).view(np.uint8)), self.offset)
+        return values.astype(dtype, copy=False)
 
     def inline_proto(self) -> onnx.TensorProto:
         """The tensor with its data inside (for writing it into a model file)."""
-        return _inline_copy(self.tensor, _read_bytes(self.path, self.offset, self.length))
+        return _inline_copy(self.tensor, self.data.read_at(self.offset, self.length))
+
+    def check_unchanged(self) -> None:
+        self.model_file.check_unchanged()
+        self.data.check_unchanged()
 
     def __str__(self) -> str:
         return f"ExternalValues (shape={self.shape}, dtype={self.dtype}, {self.path.name}@{self.offset})"

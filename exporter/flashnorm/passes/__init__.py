@@ -60,20 +60,18 @@ def run_passes(graph: gs.Graph, names: Sequence[str], *, untie: bool = False,
                for_quantization: Optional[str] = None) -> tuple[gs.Graph, list[PassReport]]:
     """Apply the named passes in order, each with the options it takes (`untie`, `quant_limit`:
     fold, None: `flashnorm.passes.quantized.DEFAULT_QUANT_LIMIT`; `for_quantization`: fold).
-    Missing element types (the legacy torch exporter writes none) are inferred first: passes
-    that build new nodes need them."""
+    An option given to passes none of which takes it, a negative or NaN `quant_limit`, or an
+    unknown format is one line (FlashNormError) before any pass runs. Missing element types (the
+    legacy torch exporter writes none) are inferred first: passes that build new nodes need them."""
     from flashnorm.match.shapes import annotate_types
 
     from flashnorm.passes.quantized import DEFAULT_QUANT_LIMIT
 
-    if for_quantization is not None:
-        from flashnorm.passes.quantization_aware import FORMATS
-
-        if for_quantization not in FORMATS:
-            raise FlashNormError(f"unknown quantization format {for_quantization!r}; choose from {', '.join(FORMATS)}")
+    names = parse_pass_names(names)
+    _check_options(names, untie, quant_limit, for_quantization)
     options = {"untie": untie, "quant_limit": DEFAULT_QUANT_LIMIT if quant_limit is None else quant_limit,
                "for_quantization": for_quantization}
-    passes = [(get_pass(name), PASSES[name][1]) for name in parse_pass_names(names)]
+    passes = [(get_pass(name), PASSES[name][1]) for name in names]
     annotate_types(graph)
     reports = []
     for function, takes in passes:
@@ -81,6 +79,24 @@ def run_passes(graph: gs.Graph, names: Sequence[str], *, untie: bool = False,
         graph.cleanup().toposort()
         reports.append(report)
     return graph, reports
+
+
+def _check_options(names: Sequence[str], untie: bool, quant_limit: Optional[float],
+                   for_quantization: Optional[str]) -> None:
+    """One line for options that cannot do what they say: one that none of the chosen passes
+    takes (it would do nothing), a negative or NaN quant limit, an unknown format."""
+    from flashnorm.quantization_aware import rule
+
+    given = {"untie": untie, "quant_limit": quant_limit is not None, "for_quantization": for_quantization is not None}
+    taken = {option for name in names for option in PASSES[name][1]}
+    for option, is_given in given.items():
+        if is_given and option not in taken:
+            takers = " or ".join(name for name, (_, options) in PASSES.items() if option in options)
+            raise FlashNormError(f"--{option.replace('_', '-')} is an option of the {takers} pass; "
+                                 f"--passes {','.join(names)} does not run it")
+    if quant_limit is not None and not quant_limit >= 0:
+        raise FlashNormError(f"--quant-limit must be at least 0, got {quant_limit}")
+    rule(for_quantization)
 
 
 def _check_writable(destination: Path) -> None:
@@ -107,12 +123,13 @@ def optimize_file(
     for_quantization: Optional[str] = None,
 ) -> dict[str, Any]:
     """Load `in_path`, run `passes`, save to `out_path` (atomically; the input is never
-    written). Raises FlashNormError for bad input: unknown pass, unreadable or invalid
-    model, no RMSNorm found, unwritable output."""
+    written). Raises FlashNormError for bad input: unknown pass, an option none of `passes`
+    takes, unreadable or invalid model, no norm found, unwritable output."""
     from flashnorm import modelio
     from flashnorm.match import find_norm_candidates
 
     names = parse_pass_names(passes)
+    _check_options(names, untie, quant_limit, for_quantization)
     source, destination = Path(in_path), Path(out_path)
     require_file("model", source)
     if destination.exists() and destination.resolve() == source.resolve():
@@ -122,7 +139,7 @@ def optimize_file(
     found = find_norm_candidates(graph)
     if not found.sites:
         why = f" ({len(found.rejected)} near-misses: {found.rejected[0].reason})" if found.rejected else ""
-        raise FlashNormError(f"no RMSNorm found in {source}{why}")
+        raise FlashNormError(f"no RMSNorm or LayerNorm found in {source}{why}")
     graph, reports = run_passes(graph, names, untie=untie, quant_limit=quant_limit, for_quantization=for_quantization)
     modelio.save(graph, destination, external_data=external_data)
     summary: dict[str, int] = {}

@@ -12,9 +12,12 @@ with M = mean of squares, a the cancelled norm's input, b the downstream norm's 
 
 Homogeneity is proved op by op, tracking which axes index tokens: the downstream norm must
 reduce over an axis that holds one token's channels, never across tokens. Ops accepted:
-MatMul/Gemm/MatMulNBits with a constant weight and no bias; Reshape that keeps the token axes;
+MatMul/Gemm and the quantized x·W ops of `flashnorm.match.quantized` (MatMulNBits, MatMulBnb4)
+with a constant weight and no bias; Reshape that keeps the token axes;
 Transpose; Slice; Split; Expand; Squeeze/Unsqueeze; float Cast; Identity; Neg; Mul/Div by a constant;
 RotaryEmbedding (a rotation per token whose angles do not depend on the site).
+
+LayerNorm sites are never cancelled, nor does a path end at one: see `LAYER_NORM_REASON`.
 """
 
 from __future__ import annotations
@@ -29,20 +32,24 @@ from onnx import TensorProto
 from flashnorm.match import NormSite, find_norm_sites
 from flashnorm.match.shapes import inferred_shapes
 from flashnorm.match.gain import gain_slot_shape
-from flashnorm.match.projection import linear_use
+from flashnorm.match.projection import LINEAR_OPS, linear_use
+from flashnorm.match.quantized import QUANTIZED_OPS
 from flashnorm.match.queries import SHAPE_ONLY_OPS, constant_value, is_constant_expression, onnx_to_numpy_dtype, tensor_rank
 from flashnorm.report import PassReport
 
 TOKEN, CHANNEL = "token", "channel"
 Layout = Optional[list[str]]  # one flag per axis; None: rank unknown, only the last axis is a channel
 _FLOAT_TYPES = {TensorProto.FLOAT, TensorProto.FLOAT16, TensorProto.BFLOAT16, TensorProto.DOUBLE}
-_LINEAR_WEIGHT_OPS = {"MatMul", "MatMulNBits"}
 _SAME_LAYOUT_OPS = {"Identity", "Neg", "Slice", "Split"}
 _SKIP = "SkipSimplifiedLayerNormalization"
 
 
 class NotCancellable(Exception):
     """Why a site's division must stay (one line)."""
+
+
+LAYER_NORM_REASON = ("a LayerNorm: cancel (Proposition 3) removes an RMSNorm's division; a LayerNorm's bias is not "
+                     "divided by σ, so without the division its output is no per-token multiple of the normalized one")
 
 
 @dataclasses.dataclass
@@ -66,6 +73,8 @@ def error_bound_text(eps: float, downstream_eps: list[float]) -> str:
 
 def plan_cancel(site: NormSite, all_sites: list[NormSite], graph_outputs: frozenset[str]) -> CancelPlan:
     """The downstream norms that make `site`'s division redundant, or NotCancellable."""
+    if site.kind == "layer":
+        raise NotCancellable(LAYER_NORM_REASON)
     if site.output.name in graph_outputs:
         raise NotCancellable("the normalized tensor is a graph output")
     if not site.consumers:
@@ -113,6 +122,9 @@ class _Walker:
     def _arrive(self, other: NormSite, tensor: gs.Tensor, layout: Layout) -> None:
         if other.spelling == _SKIP:
             raise NotCancellable(f"path reaches {_SKIP} {other.name!r}, which adds a residual first")
+        if other.kind == "layer":
+            raise NotCancellable(f"path reaches LayerNorm {other.name!r}: Proposition 3 and its eps bound are proved "
+                                 "for a downstream RMSNorm")
         if tensor is not other.input:
             raise NotCancellable(f"path enters norm {other.name!r} other than through its normalized input")
         if layout is not None and layout[-1] == TOKEN:
@@ -123,7 +135,7 @@ class _Walker:
         where = f"{node.op} {node.name!r}"
         first = node.inputs[0] is tensor and all(t is not tensor for t in node.inputs[1:])
         op = node.op
-        if op in _LINEAR_WEIGHT_OPS or op == "Gemm":
+        if op in LINEAR_OPS or _homogeneous_quantized(node):
             return [(node.outputs[0], self._linear(node, tensor, where, first, layout))]
         if op == "Reshape" and first:
             return [(node.outputs[0], _reshape_layout(node, tensor, layout, where))]
@@ -160,14 +172,17 @@ class _Walker:
 
     def _linear(self, node: gs.Node, tensor: gs.Tensor, where: str, first: bool, layout: Layout) -> Layout:
         use = linear_use(node, tensor, where, NotCancellable)
-        if use is None:  # MatMulNBits: x·W with a packed weight, bias at input 5
-            if not first:
+        if use is None:  # x·W with a quantized weight (MatMulNBits): the table says where its inputs are
+            row = QUANTIZED_OPS[node.op]
+            if node.inputs[row.activation] is not tensor or not first:
                 raise NotCancellable(f"{where} does not read the normalized path as its left operand only")
-            if len(node.inputs) > 5 and node.inputs[5].name:
+            if row.bias is not None and len(node.inputs) > row.bias and node.inputs[row.bias].name:
                 raise NotCancellable(f"{where} has a bias")
+            weight = node.inputs[row.codes]
         elif use.bias is not None:
             raise NotCancellable(f"{where} has a bias")
-        weight = node.inputs[1]
+        else:
+            weight = use.weight
         if not is_constant_expression(weight):
             raise NotCancellable(f"{where} weight {weight.name!r} is not a constant")
         if node.op == "MatMul":
@@ -193,6 +208,12 @@ class _Walker:
                             frontier.append(out)
             self._reached.add(id(self.site.output))
         return id(tensor) in self._reached
+
+
+def _homogeneous_quantized(node: gs.Node) -> bool:
+    """x·W with a weight the op dequantizes itself (`flashnorm.match.quantized`'s table)."""
+    row = QUANTIZED_OPS.get(node.op)
+    return row is not None and row.homogeneous
 
 
 def _initial_layout(rank: Optional[int]) -> Layout:

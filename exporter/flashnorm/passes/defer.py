@@ -1,17 +1,25 @@
-"""Defer (Proposition 2): (x/rms(x))·W* = (x·W*)·(1/rms(x)), one node per norm site.
+"""Defer (Proposition 2): (x/rms(x))·W* = (x·W*)·(1/rms(x)), one node per norm site; for a
+LayerNorm, (x − μ)/σ·W_c + c* = (x·W_c)·(1/σ) + c* since the fold centred W_c (1ᵀW_c = 0).
 
 After folding, a weightless norm whose consumers are all projections (MatMul with a constant
 [K,N] weight, or the same weight behind a Transpose or Gemm transB=1; Shape readers move to
 the norm's input, which has the same shape) becomes one
-`flashnorm::FlashNormMatMul<N>` node: inputs x and the consumers' weights concatenated along N,
-one output per consumer. A weight the graph dequantizes to the activation's type
+`flashnorm::FlashNormMatMul<N>` node: inputs x, the consumers' weights concatenated along N and
+their biases (a Gemm's beta·C, the constant [N] vector a MatMul's Add adds: float32 [ΣN], zeros
+where a consumer has none; scale first, then bias: exact), one output per consumer. The node's
+`statistic` says what the row scale divides by: the RMS, or for a LayerNorm the standard
+deviation, whose weight is re-centred in float64 as it is written (a no-op after fold's
+centring, up to one rounding; what makes the node exact whatever produced the weights).
+A weight the graph dequantizes to the activation's type
 (DequantizeLinear, then Cast or Identity) stays quantized in the file: the node reads the
-dequantized tensor, through a Transpose and a Concat in the graph where the layout needs them.
-A Gemm bias stays a separate Add after the node (scale first, then bias: exact). The node carries what TensorRT's parser needs to pick the FlashNorm plugin
-(`plugin_version`, `plugin_namespace`; `eps` FLOAT, `splits` INTS and `strategy` INT become the
-plugin fields eps FLOAT32, splits INT32 and strategy INT32) and the model carries a model-local ONNX function of the
-same name with the reference decomposition, so ONNX Runtime (and TensorRT without the
-plugin, within the limits docs/TENSORRT.md gives) runs the same file.
+dequantized tensor, through a Transpose and a Concat in the graph where the layout needs them
+(RMSNorm only: such a weight cannot be centred). The node carries what TensorRT's parser needs
+to pick the FlashNorm plugin (`plugin_version`, `plugin_namespace`; `eps` FLOAT, `splits` INTS,
+`strategy` INT and `statistic` INT become the plugin fields of `contract.PLUGIN_FIELDS`) and the
+model carries a model-local ONNX function of the same name with the reference decomposition, so
+ONNX Runtime (and TensorRT without the plugin, within the limits docs/TENSORRT.md gives) runs
+the same file. A model at opset 13 or 14 (torch.onnx's decomposed LayerNorm) is raised to
+opset 15 for the function's CastLike: no operator it holds changed meaning between them.
 
 Weights are not read while the pass runs: planning checks shapes and dtypes, and the
 concatenated weight is a `DerivedValues` that `flashnorm.modelio.saving` assembles while
@@ -34,8 +42,9 @@ from onnx_graphsurgeon.ir.tensor import LazyValues
 
 from flashnorm import contract
 from flashnorm.match import NormSite, find_norm_sites
-from flashnorm.match.projection import LinearUse, linear_use
-from flashnorm.match.queries import constant_value, numpy_dtype, onnx_to_numpy_dtype, producer, stored_dtype_name
+from flashnorm.match.projection import LinearUse, linear_use, post_norm_reason
+from flashnorm.match.quantized import DequantizedWeight, dequantized_weight, quantized_use
+from flashnorm.match.queries import constant_value, numpy_dtype, producer, stored_dtype_name
 from flashnorm.modelio.values import DerivedValues, stored_values
 from flashnorm.progress import track
 from flashnorm.reference_functions import add_reference_functions
@@ -47,18 +56,6 @@ class NotDeferrable(Exception):
 
 class GainKept(NotDeferrable):
     """The norm still has its gain: defer needs fold to have taken it."""
-
-
-@dataclasses.dataclass(frozen=True)
-class Dequantization:
-    """A weight the graph computes as DequantizeLinear(constant codes, ...), then Cast/Identity."""
-
-    codes: gs.Constant
-    dtype: str
-    """The float type the chain writes ('float32', 'float16', 'bfloat16')."""
-
-    def __str__(self) -> str:
-        return f"DequantizeLinear {stored_dtype_name(self.codes) or 'codes'} → {self.dtype}"
 
 
 @dataclasses.dataclass
@@ -76,10 +73,14 @@ class Projection:
 
     output: gs.Variable
     bias: Optional[np.ndarray] = None
-    """Gemm's beta·C, added after the node; None without a bias."""
+    """The consumer's bias per output column, float64 [N_i] (Gemm's beta·C, or the constant a
+    MatMul's Add adds), added by the node after its row scale; None without a bias."""
 
-    dequantized: Optional[Dequantization] = None
-    """How the graph dequantizes the weight; None for a constant."""
+    dequantized: Optional[DequantizedWeight] = None
+    """How the graph dequantizes the weight (DequantizeLinear, then Cast or Identity); None for a constant."""
+
+    bias_node: Optional[gs.Node] = None
+    """The Add that adds a MatMul's bias and writes `output`; the node takes its place."""
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -95,18 +96,22 @@ class Projection:
             weight = (weight.astype(np.float64) * self.alpha).astype(stored.dtype)
         return weight
 
+    def centred_matrix(self, stored: np.ndarray) -> np.ndarray:
+        """`matrix`, each column minus its mean over K, computed in float64 and rounded once."""
+        weight = (stored.T if self.transposed else stored).astype(np.float64) * self.alpha
+        weight -= weight.mean(axis=0, keepdims=True)
+        return weight.astype(stored.dtype)
 
-def _stored_matrix(use: LinearUse, where: str) -> tuple[gs.Tensor, bool, Optional[Dequantization]]:
+
+def _stored_matrix(use: LinearUse, where: str) -> tuple[gs.Tensor, bool, Optional[DequantizedWeight]]:
     """A weight, whether it is stored [N, K], and how the graph dequantizes it: a weight the
     graph dequantizes is returned as the tensor its chain writes; an initializer as it is (its
     values stay unread); a weight computed otherwise from constants (Constant node, Cast, ...)
     is evaluated into a new in-memory constant."""
     tensor, _, transposed = use.stored_weight(where, NotDeferrable)
-    dequantized = _dequantized_by(tensor)
+    dequantized = dequantized_weight(tensor)
     if dequantized is not None:
-        rank = len(dequantized.codes.shape or ())
-        if rank != 2:
-            raise NotDeferrable(f"{where}: dequantized weight {tensor.name!r} has rank {rank}, not 2")
+        _check_readable(dequantized, where)
         return tensor, transposed, dequantized
     if isinstance(tensor, gs.Constant):
         constant = tensor
@@ -124,94 +129,74 @@ def _stored_matrix(use: LinearUse, where: str) -> tuple[gs.Tensor, bool, Optiona
     return constant, transposed, None
 
 
-# Ops that multiply by a weight they dequantize themselves.
-_QUANTIZED_PROJECTIONS = frozenset({"MatMulNBits", "MatMulInteger", "QLinearMatMul", "MatMulIntegerToFloat",
-                                    "DynamicQuantizeMatMul", "MatMulBnb4", "QGemm"})
-
-
-def _dequantized_by(tensor: gs.Tensor) -> Optional[Dequantization]:
-    """How a DequantizeLinear of constant codes (then Cast/Identity) writes `tensor`; None when
-    something else does. The type written: the tensor's own when known, else the Cast nearest
-    it, else the DequantizeLinear's output_dtype or scale type."""
-    source, cast_to = tensor, ""
-    for _ in range(4):
-        node = producer(source)
-        if node is None:
-            return None
-        if node.op == "DequantizeLinear":
-            codes = node.inputs[0]
-            if not isinstance(codes, gs.Constant):
-                return None
-            output_dtype = int(node.attrs.get("output_dtype", 0))
-            written = onnx_to_numpy_dtype(output_dtype).name if output_dtype else stored_dtype_name(node.inputs[1])
-            return Dequantization(codes, stored_dtype_name(tensor) or cast_to or written)
-        if node.op not in ("Cast", "Identity"):
-            return None
-        if node.op == "Cast" and not cast_to:
-            cast_to = onnx_to_numpy_dtype(int(node.attrs["to"])).name
-        source = node.inputs[0]
-    return None
+def _check_readable(weight: DequantizedWeight, where: str) -> None:
+    """The node reads a dequantized weight as the graph writes it: stored 2-D codes, then at most
+    a change of type (Cast, Identity) before the projection's own Transpose; other chains say why."""
+    name = weight.tensor.name
+    if weight.op.domain:
+        raise NotDeferrable(f"{where}: weight {name!r} is dequantized by {weight.dequantize.op} ({weight.op.domain} "
+                            "domain); defer reads weights ONNX's own dequantizer writes")
+    if weight.quantize is not None:
+        raise NotDeferrable(f"{where}: weight {name!r} is quantized at run time ({weight}); defer reads weights "
+                            "whose codes are stored")
+    others = [n.op for n in weight.between if n.op not in ("Cast", "Identity")]
+    if others:
+        raise NotDeferrable(f"{where}: weight {name!r} is dequantized in the graph ({weight}) through "
+                            f"{', '.join(others)}; defer reads one dequantized through Cast or Identity only")
+    if not isinstance(weight.codes, gs.Constant):
+        raise NotDeferrable(f"{where}: weight {name!r} is dequantized in the graph ({weight}) from codes that are "
+                            "not stored")
+    rank = len(weight.codes.shape or ())
+    if rank != 2:
+        raise NotDeferrable(f"{where}: dequantized weight {name!r} has rank {rank}, not 2")
 
 
 def _quantized_consumer(node: gs.Node, tensor: gs.Tensor) -> Optional[str]:
     """Why `node`, reading `tensor`, keeps the site from deferring because it computes with
-    quantized values, or None. The plugin takes float activations and float weights, so no fold
-    changes this: plan_defer asks it first, and inspect names the quantized sites as such rather
-    than "run fold first" where fold left the gain. A weight the graph dequantizes is a float
-    tensor the node can read (_projection)."""
+    quantized values (the recogniser's reason), or None. The plugin takes float activations and
+    float weights, so no fold changes this: plan_defer asks it first, and inspect names the
+    quantized sites as such rather than "run fold first" where fold left the gain. A weight the
+    graph dequantizes is a float tensor the node can read (_projection)."""
+    use = quantized_use(node, tensor)
+    return use.defer_reason() if use is not None else None
+
+
+def _projection(site: NormSite, node: gs.Node, dtype: str, graph_outputs: frozenset[str]) -> Projection:
     where = f"consumer {node.op} {node.name!r}"
-    if node.op in _QUANTIZED_PROJECTIONS:
-        return f"{where} dequantizes its weight inside the op; the plugin takes float weights (defer does not apply)"
-    if node.op == "QuantizeLinear":
-        return f"{where} quantizes the normalized activation; the plugin reads it in float (defer does not apply)"
-    if node.op == "Mul" and len(node.outputs[0].outputs) == 1:  # a per-channel prescale (AWQ, SmoothQuant)
-        inner = _quantized_projection(node.outputs[0].outputs[0], node.outputs[0])
-        return f"{where} scales the activation in front of a quantized projection: {inner}" if inner else None
-    return None
-
-
-def _quantized_projection(node: gs.Node, tensor: gs.Tensor) -> Optional[str]:
-    """How `node` reading `tensor` computes with quantized values (its own refusal, or its
-    weight dequantized in the graph), or None."""
-    refusal = _quantized_consumer(node, tensor)
-    if refusal:
-        return refusal
-    where = f"consumer {node.op} {node.name!r}"
-    try:
-        use = linear_use(node, tensor, where, NotDeferrable)
-        weight = use.stored_weight(where, NotDeferrable)[0] if use is not None else None
-    except NotDeferrable:
-        return None
-    dequantized = _dequantized_by(weight) if weight is not None else None
-    return f"{where}: weight {weight.name!r} is dequantized in the graph ({dequantized})" if dequantized else None
-
-
-def _projection(site: NormSite, node: gs.Node, dtype: str) -> Projection:
-    where = f"consumer {node.op} {node.name!r}"
-    use = linear_use(node, site.output, where, NotDeferrable)
+    use = linear_use(node, site.output, where, NotDeferrable, graph_outputs)
     if use is None:
         raise NotDeferrable(f"{where} is not a projection (MatMul or Gemm with a constant weight)")
     weight, transposed, dequantized = _stored_matrix(use, where)
+    if dequantized and site.kind == "layer":
+        raise NotDeferrable(f"{where}: weight {weight.name!r} is dequantized in the graph ({dequantized}); a "
+                            "LayerNorm's deferred weight must be centred, which a quantized weight cannot be")
     alpha = float(node.attrs.get("alpha", 1.0)) if node.op == "Gemm" else 1.0
     if dequantized and alpha != 1.0:
         raise NotDeferrable(f"{where}: Gemm alpha {alpha:g} on a weight dequantized in the graph ({dequantized})")
-    bias = None
-    if use.bias is not None:
-        c = constant_value(use.bias)
-        if c is None:
-            raise NotDeferrable(f"{where}: bias {use.bias.name!r} is not a constant")
-        beta = float(node.attrs.get("beta", 1.0))
-        bias = c if beta == 1.0 else (c.astype(np.float64) * beta).astype(c.dtype)
-    weight_dtype = dequantized.dtype if dequantized else stored_dtype_name(weight)
+    weight_dtype = dequantized.written if dequantized else stored_dtype_name(weight)
     if weight_dtype != dtype:
         raise NotDeferrable(f"{where}: weight dtype {weight_dtype} differs from the activation's {dtype}")
-    projection = Projection(node, weight, transposed, alpha, node.outputs[0], bias, dequantized)
+    projection = Projection(node, weight, transposed, alpha, use.output, None, dequantized, use.bias_add)
     if site.hidden_size and projection.shape[0] != site.hidden_size:
         raise NotDeferrable(f"{where}: weight has {projection.shape[0]} rows, the norm has {site.hidden_size} channels")
-    output = node.outputs[0]
+    if use.bias is not None:
+        beta = float(node.attrs.get("beta", 1.0)) if node.op == "Gemm" else 1.0
+        projection.bias = _bias_columns(use.bias, beta, projection.shape[1], where)
+    output = use.output
     if output.dtype is not None and stored_dtype_name(output) != dtype:
         raise NotDeferrable(f"{where}: output dtype {stored_dtype_name(output)} differs from the activation's {dtype}")
     return projection
+
+
+def _bias_columns(bias: gs.Tensor, beta: float, columns: int, where: str) -> np.ndarray:
+    """beta·c as one float64 value per output column: c must be a constant [N] (or [1, N], or
+    one value for all columns); a Gemm C with a row per token is no per-column bias."""
+    c = constant_value(bias)
+    if c is None:
+        raise NotDeferrable(f"{where}: bias {bias.name!r} is not a constant")
+    if c.size not in (1, columns) or (c.ndim and c.shape[-1] not in (1, columns)):
+        raise NotDeferrable(f"{where}: bias {bias.name!r} of shape {list(c.shape)} is not one value per output column")
+    return np.broadcast_to(c.astype(np.float64).reshape(-1) * beta, (columns,))
 
 
 def deferred_input(site: NormSite) -> gs.Tensor:
@@ -250,10 +235,16 @@ def plan_defer(site: NormSite, graph_outputs: frozenset[str]) -> DeferPlan:
         quantized = _quantized_consumer(node, site.output)
         if quantized:
             raise NotDeferrable(quantized)
-    if site.spelling == "SkipSimplifiedLayerNormalization":
+    if len(site.data_inputs) > 1:
         raise NotDeferrable("the norm's input is a residual sum computed inside the fused Skip node")
+    if site.kind == "layer":
+        for node in site.consumers:
+            reason = post_norm_reason(node)
+            if reason:
+                raise NotDeferrable(reason)
     if not site.is_weightless:
-        raise GainKept("the norm has a gain (run fold first)")
+        raise GainKept("the norm has a gain (run fold first)" if site.kind == "rms"
+                       else "the norm has a gain or a bias (run fold first)")
     if site.axis != -1:
         raise NotDeferrable(f"normalized axis {site.axis} is not the last")
     if site.output.name in graph_outputs:
@@ -274,7 +265,7 @@ def plan_defer(site: NormSite, graph_outputs: frozenset[str]) -> DeferPlan:
         raise NotDeferrable("a Shape node reads the normalized tensor and the gain may broadcast it to another shape")
     if len(consumers) > contract.MAX_OUTPUTS:
         raise NotDeferrable(f"{len(consumers)} consumers; the plugin takes at most {contract.MAX_OUTPUTS}")
-    projections = [_projection(site, node, dtype) for node in consumers]
+    projections = [_projection(site, node, dtype, graph_outputs) for node in consumers]
     if len({p.shape[0] for p in projections}) != 1:
         raise NotDeferrable("the consumers' weights disagree on K")
     return DeferPlan(activation, projections, shape_readers)
@@ -301,23 +292,19 @@ def apply_defer(graph: gs.Graph, site: NormSite, plan: DeferPlan) -> gs.Node:
     for reader in plan.shape_readers:
         reader.inputs[0] = plan.activation
     projections = plan.projections
+    layer = site.kind == "layer"
     if any(p.dequantized for p in projections):
         weight = _weight_in_graph(graph, site, plan)
     else:
-        weight = gs.Constant(f"{site.name}.flashnorm_deferred_weight", _concatenated(projections))
-    outputs, bias_nodes = [], []
-    for p in projections:
-        p.node.outputs.clear()  # the consumer's output tensor is now written by the new node
-        if p.bias is None:
-            outputs.append(p.output)
-            continue
-        unbiased = gs.Variable(f"{p.output.name}.flashnorm_unbiased", dtype=p.output.dtype, shape=p.output.shape)
-        outputs.append(unbiased)
-        bias = gs.Constant(f"{p.output.name}.flashnorm_bias", p.bias)
-        bias_nodes.append(gs.Node("Add", name=f"{p.output.name}.flashnorm_bias_add",
-                                  inputs=[unbiased, bias], outputs=[p.output]))
+        weight = gs.Constant(f"{site.name}.flashnorm_deferred_weight", _concatenated(projections, centred=layer))
+    biases = [p.bias if p.bias is not None else np.zeros(p.shape[1]) for p in projections]
+    bias = gs.Constant(f"{site.name}.flashnorm_deferred_bias", np.concatenate(biases).astype(contract.BIAS_DTYPE))
+    for p in projections:  # each consumer's output tensor is now written by the new node
+        p.node.outputs.clear()
+        if p.bias_node is not None:
+            p.bias_node.outputs.clear()
     node = gs.Node(
-        contract.op_type(len(outputs)),
+        contract.op_type(len(projections)),
         name=f"{site.name}.flashnorm_matmul",
         domain=contract.DOMAIN,
         attrs={
@@ -326,12 +313,12 @@ def apply_defer(graph: gs.Graph, site: NormSite, plan: DeferPlan) -> gs.Node:
             "eps": float(site.eps),
             "splits": [p.shape[1] for p in projections],
             "strategy": contract.STRATEGY_AUTO,
+            "statistic": contract.STATISTIC_VARIANCE if layer else contract.STATISTIC_RMS,
         },
-        inputs=[plan.activation, weight],
-        outputs=outputs,
+        inputs=[plan.activation, weight, bias],
+        outputs=[p.output for p in projections],
     )
     graph.nodes.append(node)
-    graph.nodes.extend(bias_nodes)
     return node
 
 
@@ -360,10 +347,11 @@ def _weight_in_graph(graph: gs.Graph, site: NormSite, plan: DeferPlan) -> gs.Ten
     return weight
 
 
-def _concatenated(projections: list[Projection]) -> DerivedValues:
-    """The projections' [K, N_i] weights side by side, [K, ΣN_i], computed when saved or read:
-    each weight is read and copied into its columns in turn, so assembling it holds the
-    result and one consumer weight, never all of them twice."""
+def _concatenated(projections: list[Projection], centred: bool = False) -> DerivedValues:
+    """The projections' [K, N_i] weights side by side, [K, ΣN_i] (`centred`: each column minus
+    its mean over K, in float64), computed when saved or read: each weight is read and copied
+    into its columns in turn, so assembling it holds the result and one consumer weight, never
+    all of them twice."""
     first = projections[0]
     # Each weight's values object as it is now, as DerivedValues keeps its own source's.
     sources = [stored_values(p.weight) for p in projections]
@@ -376,7 +364,7 @@ def _concatenated(projections: list[Projection]) -> DerivedValues:
         start = 0
         for i, (projection, width) in enumerate(zip(projections, widths)):
             stored = first_values if i == 0 else _read(sources[i])
-            result[:, start:start + width] = projection.matrix(stored)
+            result[:, start:start + width] = projection.centred_matrix(stored) if centred else projection.matrix(stored)
             start += width
         return result
 
@@ -388,12 +376,26 @@ def _read(values: object) -> np.ndarray:
     return values.load() if isinstance(values, LazyValues) else np.asarray(values)
 
 
+# The lowest opset raised to MIN_OPSET for the reference function: from 13 to 15 no operator
+# changed meaning (14 and 15 add types, optional attributes with the old defaults and new ops),
+# while 13 itself changed many (axes of Squeeze, Unsqueeze, ReduceSum, Split became inputs).
+_RAISABLE_OPSET = 13
+
+
+def _raise_opset(graph: gs.Graph, opset: int) -> None:
+    """Import the default domain at `opset`, in the graph and its import list alike."""
+    graph.opset = opset
+    for entry in graph.import_domains or []:
+        if entry.domain in ("", "ai.onnx"):
+            entry.version = opset
+
+
 def defer(graph: gs.Graph) -> tuple[gs.Graph, PassReport]:
     """Turn every deferrable weightless norm and its projections into one FlashNormMatMul."""
     report = PassReport("defer")
     sites = find_norm_sites(graph)
     opset = graph.opset or 0
-    if opset < contract.MIN_OPSET:
+    if opset < contract.MIN_OPSET and (opset < _RAISABLE_OPSET or graph.functions):
         for site in sites:
             report.add(site.name, "skipped", f"model opset {opset} < {contract.MIN_OPSET} (the reference function needs CastLike)")
         return graph, report
@@ -405,12 +407,15 @@ def defer(graph: gs.Graph) -> tuple[gs.Graph, PassReport]:
             report.add(site.name, "skipped", str(exc))
             continue
         node = apply_defer(graph, site, plan)
-        report.add(site.name, "deferred", "", node=node.name, eps=float(site.eps), splits=node.attrs["splits"],
+        report.add(site.name, "deferred", "", node=node.name, kind=site.kind, eps=float(site.eps),
+                   splits=node.attrs["splits"],
                    consumers=[f"{p.node.op} {p.node.name}" for p in plan.projections],
                    biases=sum(p.bias is not None for p in plan.projections),
                    shape_readers=len(plan.shape_readers),
                    dequantized=plan.dequantized_weights())
     if report.count("deferred"):
+        if opset < contract.MIN_OPSET:
+            _raise_opset(graph, contract.MIN_OPSET)
         add_reference_functions(graph)
     graph.cleanup().toposort()
     return graph, report

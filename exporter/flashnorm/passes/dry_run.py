@@ -1,6 +1,6 @@
-"""A dry run of the passes: at every RMSNorm site, whether fold, cancel and (after fold) defer
-would apply, and if not, why — from the passes' own plans, changing nothing. `flashnorm inspect`
-prints it."""
+"""A dry run of the passes: at every norm site (RMSNorm or LayerNorm), whether fold, cancel and
+(after fold) defer would apply, and if not, why — from the passes' own plans, changing nothing.
+`flashnorm inspect` prints it."""
 
 from __future__ import annotations
 
@@ -53,11 +53,13 @@ def _inspect(graph: gs.Graph, untie: bool, quant_limit: float) -> dict[str, Any]
         sites.append({
             "name": site.name,
             "spelling": site.spelling,
+            "kind": site.kind,
             "eps": site.eps,
             "input": site.input.name,
             "hidden_size": site.hidden_size,
             "gain_convention": site.gain_convention,
             "gain": _gain_stats(site),
+            "bias": _bias_stats(site),
             "weightless": site.is_weightless,
             "consumers": [f"{n.op} {n.name}" for n in site.consumers],
             "fold": fold,
@@ -97,6 +99,14 @@ def _defer_after_fold(graph: gs.Graph, untie: bool, quant_limit: float) -> dict[
         except NotDeferrable as exc:
             result[site.name] = {"applies": False, "reason": str(exc)}
     return result
+
+
+def _bias_stats(site: NormSite) -> dict[str, Any] | None:
+    """A LayerNorm's bias: what the fold moves into its consumers' biases."""
+    if site.bias is None:
+        return None
+    return {"min": float(site.bias.min()), "max": float(site.bias.max()), "abs_max": float(np.abs(site.bias).max()),
+            "size": int(site.bias.size)}
 
 
 def _gain_stats(site: NormSite) -> dict[str, Any] | None:

@@ -1,5 +1,6 @@
 """Triton Inference Server: model repositories for a TensorRT plan with the FlashNorm plugin,
-or for an ONNX model served by ONNX Runtime from the Python backend."""
+or for an ONNX model served by ONNX Runtime (Triton's ONNX Runtime backend, or its Python
+backend): language models and embedding models (encoders) alike."""
 
 from flashnorm.serve.config import ModelConfigOptions, parse_model_config, validated_model_config
 from flashnorm.serve.engine_profile import CheckedEngineSignature, check_engine_signature
@@ -7,6 +8,7 @@ from flashnorm.serve.repository import (
     RepositoryResult,
     write_engine_repository,
     write_onnx_python_repository,
+    write_onnxruntime_repository,
 )
 from flashnorm.serve.tensors import (
     TritonSignature,
@@ -14,6 +16,7 @@ from flashnorm.serve.tensors import (
     signature_from_engine,
     signature_from_io_specs,
     signature_from_onnx,
+    vocabulary_from_onnx,
 )
 
 __all__ = [
@@ -28,6 +31,8 @@ __all__ = [
     "signature_from_io_specs",
     "signature_from_onnx",
     "validated_model_config",
+    "vocabulary_from_onnx",
     "write_engine_repository",
     "write_onnx_python_repository",
+    "write_onnxruntime_repository",
 ]

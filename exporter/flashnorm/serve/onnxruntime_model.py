@@ -8,10 +8,12 @@ providers (`providers`, comma-separated) and ONNX Runtime's thread count
 (`intra_op_num_threads`, 0 = its default); to check, `vocabulary` and `input_ranges` (JSON,
 input name → [minimum shape, maximum shape], the engine's optimization profile).
 
-Token models (an `input_ids` input) have every request checked before the model runs: token
-ids integers in [0, vocabulary), attention_mask and position_ids of the shapes input_ids and
-the past keys/values imply, attention_mask values 0 or 1, positions not negative; with
-`input_ranges`, every shape inside its range. A request that fails gets an INVALID_ARG error
+Token models (an `input_ids` input: language models and text encoders) have every request
+checked before the model runs: token ids integers in [0, vocabulary) (`vocabulary`: the logits'
+width, else the config's parameter, the embedding table's rows), attention_mask and position_ids
+of the shapes input_ids and the past keys/values imply, attention_mask values 0 or 1, positions
+not negative. Every float input (an encoder's pixel_values or input_features) must be finite;
+with `input_ranges`, every shape inside its range. A request that fails gets an INVALID_ARG error
 (HTTP 400) naming what is wrong: ONNX Gather wraps a negative id around to the end of the
 vocabulary, a wrong answer rather than an error, and other mistakes would reach the client as
 ONNX Runtime's internals. The checking role answers a good request with its inputs unchanged,
@@ -80,6 +82,16 @@ def request_error(feed, vocabulary):
     return None
 
 
+def value_error(feed):
+    """Why a float input of `feed` cannot run (a NaN or infinity), or None: an encoder's
+    pixel_values or input_features, or a past key/value."""
+    for name, value in feed.items():
+        if np.issubdtype(value.dtype, np.floating) and value.size and not np.isfinite(value).all():
+            bad = value[~np.isfinite(value)].flat[0]
+            return f"{name}: non-finite value {bad} (pixels and features must be finite)"
+    return None
+
+
 def range_error(feed, ranges):
     """Why a shape in `feed` lies outside its [minimum, maximum] in `ranges`, or None."""
     for name, (minimum, maximum) in ranges.items():
@@ -115,11 +127,13 @@ class TritonPythonModel:
         self.batched = int(config.get("max_batch_size", 0)) > 0
         logits = next((o for o in self.session.get_outputs() if o.name == "logits"), None)
         last = logits.shape[-1] if logits is not None and logits.shape else None
-        self.vocabulary = last if isinstance(last, int) and last > 0 else None
+        # An encoder has no logits: the embedding table's size comes from the config.
+        vocabulary = last if isinstance(last, int) and last > 0 else int(_parameter(config, "vocabulary", "0"))
+        self.vocabulary = vocabulary if vocabulary > 0 else None
 
     def _invalid(self, feed):
         """Why a token model's request cannot run (one line), or None."""
-        return request_error(feed, self.vocabulary) or range_error(feed, self.ranges)
+        return request_error(feed, self.vocabulary) or value_error(feed) or range_error(feed, self.ranges)
 
     def _refuse(self, message):
         code = getattr(pb_utils.TritonError, "INVALID_ARG", None)

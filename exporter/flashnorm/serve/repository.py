@@ -37,6 +37,7 @@ from flashnorm.serve.tensors import TritonSignature
 _MODEL_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]*$")
 _PYTHON_MODEL_TEMPLATE = Path(__file__).with_name("onnxruntime_model.py")
 CHECKED_PREFIX = "checked_"  # the names NAME_checks gives the inputs it passes on (onnxruntime_model.py)
+_FLOAT_TYPES = frozenset({"TYPE_FP32", "TYPE_FP16", "TYPE_BF16", "TYPE_FP64"})
 
 
 @dataclasses.dataclass
@@ -219,14 +220,12 @@ def _request_check_configs(name: str, engine_name: str, signature: TritonSignatu
     checked_outputs = tuple(
         dataclasses.replace(spec, name=CHECKED_PREFIX + spec.name, is_input=False) for spec in signature.inputs
     )
-    logits = next((spec for spec in signature.outputs if spec.name == "logits"), None)
-    vocabulary = logits.shape[-1] if logits is not None and logits.shape and logits.shape[-1] > 0 else 0
     ranges = {input_name: [list(shape_range.minimum), list(shape_range.maximum)]
               for input_name, shape_range in signature.profile.items()}
     checks_options = ModelConfigOptions(
         name=f"{name}_checks", backend="python", max_batch_size=max_batch_size,
         max_queue_delay_us=max_queue_delay_us, instance_kind="KIND_CPU",
-        parameters=(("role", "check"), ("vocabulary", str(vocabulary)),
+        parameters=(("role", "check"), ("vocabulary", str(signature.vocabulary)),
                     ("input_ranges", json.dumps(ranges, separators=(",", ":")))),
     )
     steps = (
@@ -255,6 +254,9 @@ def _unchecked_by_engine_config(signature: TritonSignature, profile_checked: boo
     names = {spec.name for spec in signature.inputs}
     if "input_ids" in names:
         unchecked.append("token ids in [0, vocabulary): a config states types and shapes, never values")
+    floats = [spec.name for spec in signature.inputs if spec.data_type in _FLOAT_TYPES]
+    if floats:
+        unchecked.append(f"finite values of {', '.join(floats)} (NaN and infinity pass Triton's checks)")
     if "input_ids" in names and len(names) > 1:
         unchecked.append("lengths that must agree between inputs (attention_mask as long as past + input_ids)")
     return unchecked
@@ -266,11 +268,9 @@ def _unchecked_by_request_checks(signature: TritonSignature, profile_checked: bo
     if not profile_checked:
         unchecked.append("the engine's optimization profile (not known: give --shapes as built, or read the "
                          "engine with TensorRT); requests outside it reach the engine")
-    logits = next((spec for spec in signature.outputs if spec.name == "logits"), None)
-    if any(spec.name == "input_ids" for spec in signature.inputs) and (
-            logits is None or not logits.shape or logits.shape[-1] <= 0):
+    if any(spec.name == "input_ids" for spec in signature.inputs) and signature.vocabulary <= 0:
         unchecked.append("token ids below the vocabulary size (no logits output with a fixed last dimension "
-                         "to read it from); negative ids are refused")
+                         "or embedding table to read it from); negative ids are refused")
     return unchecked
 
 
@@ -306,6 +306,7 @@ def write_onnx_python_repository(
             ("onnx_file", "model.onnx"),
             ("providers", ",".join(providers)),
             ("intra_op_num_threads", str(intra_op_threads)),
+            ("vocabulary", str(signature.vocabulary)),
         ),
     )
     config_text = validated_model_config(signature, options)
@@ -342,6 +343,83 @@ libraries and the venv Python's `libpython` folder to `LD_LIBRARY_PATH`, and put
         (staging / "README.md").write_text(readme)
         files = _model_files(staging)
     return RepositoryResult(target, name, config_text, command, files)
+
+
+def write_onnxruntime_repository(
+    onnx_model: str | os.PathLike[str],
+    signature: TritonSignature,
+    output: str | os.PathLike[str],
+    *,
+    name: str = "flashnorm",
+    max_batch_size: int = 8,
+    instances: int = 1,
+    max_queue_delay_us: int = 0,
+    gpu: bool = False,
+    check_requests: bool = False,
+    force: bool = False,
+) -> RepositoryResult:
+    """An `onnxruntime_onnx` model: Triton's ONNX Runtime backend serves the file (a deferred
+    file's FlashNormMatMul<N> nodes run through their model-local functions). With
+    `check_requests`, NAME is an ensemble whose first step, NAME_checks (Python backend, numpy
+    only), refuses what the config cannot state (token ids outside the vocabulary, lengths that
+    disagree, non-finite floats) before NAME_model runs."""
+    onnx_model = Path(onnx_model)
+    check_model_name(name)
+    require_file("model", onnx_model)
+    external = _external_data_files(onnx_model)
+    model_name = f"{name}_model" if check_requests else name
+    options = ModelConfigOptions(
+        name=model_name, platform="onnxruntime_onnx", max_batch_size=max_batch_size,
+        max_queue_delay_us=max_queue_delay_us, instance_count=instances,
+        instance_kind="KIND_GPU" if gpu else "KIND_CPU",
+    )
+    configs = {model_name: validated_model_config(signature, options)}
+    if check_requests:
+        configs.update(_request_check_configs(name, model_name, signature, max_batch_size, max_queue_delay_us))
+        unchecked = _unchecked_by_request_checks(signature, profile_checked=True)
+    else:
+        unchecked = _unchecked_by_engine_config(signature, True, ())
+    target = Path(output).absolute()
+    command = start_command(target)
+    unchecked_text = "\n".join(f"- {item}" for item in unchecked) or "- nothing"
+    checks = (
+        f"Clients call `{name}`, an ensemble: `{name}_checks` (Python backend, numpy only) refuses bad\n"
+        f"requests with HTTP 400 and a one-line reason and hands the others to `{model_name}`. Not\n"
+        f"checked:\n\n{unchecked_text}\n"
+        if check_requests else
+        "Triton checks each request's data types, shapes and batch size against `config.pbtxt`. What that\n"
+        f"config cannot state, and so what Triton does not refuse on its own:\n\n{unchecked_text}\n\n"
+        "`flashnorm triton --check-requests` puts a Python-backend model that checks them in front (an ensemble).\n"
+    )
+    readme = _readme(
+        f"Triton model repository: {name} (ONNX Runtime backend)",
+        f"""
+Written by `flashnorm triton --triton-backend onnxruntime`. Triton's ONNX Runtime backend serves
+`{model_name}/1/model.onnx` ({"GPU" if gpu else "CPU"} instances); FlashNormMatMul nodes run through the
+model-local functions the file carries, so no plugin is needed.
+
+Start the server:
+
+```
+{command}
+```
+
+{checks}""",
+    )
+    with staged_directory(target, force) as staging:
+        version_dir = staging / model_name / "1"
+        _copy_file(onnx_model, version_dir / "model.onnx", "ONNX model")
+        for location in external:
+            _copy_file(onnx_model.parent / location, version_dir / location, "external data file")
+        if check_requests:
+            (staging / name / "1").mkdir(parents=True)  # an ensemble has a version folder, empty
+            (staging / f"{name}_checks" / "1").mkdir(parents=True)
+            shutil.copyfile(_PYTHON_MODEL_TEMPLATE, staging / f"{name}_checks" / "1" / "model.py")
+        for model, text in configs.items():
+            (staging / model / "config.pbtxt").write_text(text)
+        (staging / "README.md").write_text(readme)
+        files = _model_files(staging)
+    return RepositoryResult(target, name, configs[name], command, files, unchecked)
 
 
 def _model_files(staging: Path) -> list[str]:

@@ -70,6 +70,9 @@ class TritonSignature:
     outputs: tuple[TritonTensor, ...]
     source: str  # "tensorrt", "onnx" or "io"
     profile: Mapping[str, "ShapeRange"] = dataclasses.field(default_factory=dict)
+    vocabulary: int = 0
+    """Token ids must lie in [0, vocabulary) (0: not known): a `logits` output's fixed last
+    dimension, else the rows of the embedding table `input_ids` index in an ONNX graph."""
 
     def select_outputs(self, names: Sequence[str] | None) -> "TritonSignature":
         """Keep only the named outputs, in the order given; unknown names are an error."""
@@ -116,7 +119,41 @@ def signature_from_onnx(path: str | os.PathLike[str]) -> TritonSignature:
     )
     if not inputs or not outputs:
         raise FlashNormError(f"ONNX model {path} has no graph inputs or no graph outputs")
-    return TritonSignature(inputs, outputs, "onnx")
+    logits = _logits_vocabulary(outputs)
+    vocabulary = logits or (vocabulary_from_onnx(path) if any(t.name == "input_ids" for t in inputs) else 0)
+    return TritonSignature(inputs, outputs, "onnx", vocabulary=vocabulary)
+
+
+def _logits_vocabulary(outputs: Sequence[TritonTensor]) -> int:
+    logits = next((spec for spec in outputs if spec.name == "logits"), None)
+    return logits.shape[-1] if logits is not None and logits.shape and logits.shape[-1] > 0 else 0
+
+
+# Ops that carry token ids unchanged on their way to the embedding Gather (an encoder's
+# legacy export flattens input_ids with a Reshape first).
+_ID_PASSTHROUGH = frozenset({"Reshape", "Cast", "Unsqueeze", "Squeeze", "Flatten", "Identity"})
+
+
+def vocabulary_from_onnx(path: str | os.PathLike[str]) -> int:
+    """The rows of the embedding table that `input_ids` index (a Gather of a rank-2
+    initializer reached through ops that pass ids on unchanged); 0 where there is none. The
+    weights are not read."""
+    import onnx
+
+    graph = onnx.load(str(path), load_external_data=False).graph
+    tables = {t.name: t.dims for t in graph.initializer if len(t.dims) == 2}
+    ids, frontier = {"input_ids"}, ["input_ids"]
+    while frontier:
+        name = frontier.pop()
+        for node in graph.node:
+            if node.op_type == "Gather" and len(node.input) == 2 and node.input[1] == name and node.input[0] in tables:
+                return int(tables[node.input[0]][0])
+            if node.op_type in _ID_PASSTHROUGH and node.input and node.input[0] == name:
+                for output in node.output:
+                    if output not in ids:
+                        ids.add(output)
+                        frontier.append(output)
+    return 0
 
 
 def signature_from_engine(
@@ -140,7 +177,8 @@ def signature_from_engine(
             raise FlashNormError(f"engine tensor {tensor.name!r} has type {tensor.dtype}, which Triton has no type for")
         spec = TritonTensor(tensor.name, _TRT_TO_TRITON[tensor.dtype], tensor.shape, tensor.is_input)
         (inputs if tensor.is_input else outputs).append(spec)
-    return TritonSignature(tuple(inputs), tuple(outputs), "tensorrt", dict(interface.profile))
+    return TritonSignature(tuple(inputs), tuple(outputs), "tensorrt", dict(interface.profile),
+                           vocabulary=_logits_vocabulary(outputs))
 
 
 def parse_io_spec(text: str) -> TritonTensor:
@@ -172,4 +210,4 @@ def signature_from_io_specs(texts: Sequence[str]) -> TritonSignature:
     outputs = tuple(spec for spec in specs if not spec.is_input)
     if not inputs or not outputs:
         raise FlashNormError("--io must describe at least one input (in:...) and one output (out:...)")
-    return TritonSignature(inputs, outputs, "io")
+    return TritonSignature(inputs, outputs, "io", vocabulary=_logits_vocabulary(outputs))

@@ -13,19 +13,23 @@ from typing import Any
 from flashnorm.engine.build import BuildOptions, build_engine_file
 from flashnorm.engine.shapes import parse_shape_specs
 from flashnorm.paths import Input, Output
-from flashnorm.tools.options import add_shapes_option, add_tensorrt_options, file_inputs, onnx_inputs, positive
+from flashnorm.tools.options import (
+    FILE_OUTPUT, INT64_LIMIT, add_shapes_option, add_tensorrt_options, file_inputs, onnx_inputs, positive,
+)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model", help="ONNX model, typically the output of `flashnorm optimize --passes fold,cancel,defer`")
-    parser.add_argument("-o", "--output", required=True, help="engine file to write (written atomically)")
+    parser.add_argument("-o", "--output", required=True, help="engine file to write" + FILE_OUTPUT)
     add_tensorrt_options(parser)
     add_shapes_option(parser, "optimization profile of a dynamic input, shapes as 1x64 "
                               "(e.g. input_ids:1x1,1x64,1x512); one shape fixes it")
     parser.add_argument("--timing-cache", metavar="PATH",
                         help="read tactic timings from PATH if it exists, and write them back after the build "
-                             "(TensorRT; TensorRT-RTX picks kernels at run time and ignores it)")
-    parser.add_argument("--workspace", type=positive(int), metavar="MIB", help="builder workspace limit in MiB")
+                             "(TensorRT; TensorRT-RTX picks kernels at run time and ignores it)" + FILE_OUTPUT)
+    parser.add_argument("--workspace", type=positive(int, highest=INT64_LIMIT >> 20), metavar="MIB",
+                        help=f"builder workspace limit in MiB (at most {INT64_LIMIT >> 20}: TensorRT takes the bytes "
+                             "as an int64)")
     parser.add_argument("--optimization-level", type=int, choices=range(6), metavar="0-5",
                         help="the builder's optimization level (TensorRT's default 3; lower builds faster, "
                              "higher searches more kernels)")

@@ -228,6 +228,40 @@ def tensorrt_candidate(args: argparse.Namespace, feeds: list[dict[str, np.ndarra
     return trt_runner_factory(backend=args.backend, plugins=args.plugin, shapes=shapes, engine_path=args.engine)
 
 
+def verdict(report: dict[str, Any]) -> str:
+    """The one line a failed comparison ends with on stderr, -q or not: what failed first, and
+    the seed that replays the inputs."""
+    seed = (report.get("inputs") or {}).get("seed")
+    replay = f"; seed {seed} (--seed {seed} replays these inputs)" if seed is not None else ""
+    quantized = report.get("quantized_budget")
+    if quantized:
+        from flashnorm.validate.bootstrap import describe
+
+        return f"quantized budget on {quantized['text']}: {describe(quantized['interval'])}"
+    budget = report.get("budget")
+    failing = [o for o in (budget or {}).get("outputs", []) if not o["passed"]]
+    if budget and failing:
+        o = failing[0]
+        return (f"output {o['name']}: rel L2 error {o['ratio']:.3f}x the reference's against the fp32 model (budget "
+                f"{budget['max_ratio']:g}x, top-1 at most {budget['max_top1_drop_points']:g} points lower){replay}")
+    failing = [o for o in report.get("outputs", []) if not o["passed"]]
+    if failing:
+        o = failing[0]
+        return (f"output {o['name']}: max abs {o['max_abs']:.3g}, rel L2 {o['rel_l2']:.3g}"
+                + (f", {o['nonfinite']} NaN/Inf mismatches" if o.get("nonfinite") else "")
+                + f" (atol {report['atol']:g}, rtol {report['rtol']:g}, max rel L2 {report['max_rel_l2']:g})"
+                + (f"; {len(failing) - 1} more outputs fail" if len(failing) > 1 else "") + replay)
+    if report.get("missing_outputs"):
+        return f"the candidate lacks the reference's outputs {report['missing_outputs']}"
+    if not report.get("outputs"):
+        return "the models have no output in common"
+    generation = report.get("generation") or {}
+    if generation and not generation.get("identical", True):
+        return (f"greedy tokens differ from position {generation['first_divergence']} of "
+                f"{len(generation['reference_tokens'])}{replay}")
+    return "the comparison failed (see the report)" + replay
+
+
 def format_text(report: dict[str, Any], verbose: bool = False) -> str:
     from flashnorm.validate.budget import format_budget
     from flashnorm.validate.comparison import ComparisonReport, OutputError, format_report

@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
+import os
 import shutil
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 from flashnorm.errors import FlashNormError, require_file
 from flashnorm.paths import Input, Output
@@ -32,7 +34,9 @@ the type's roundoff (rel L2): the fold rounds g·W once (SmolLM2 fp16: 1.1 units
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("-o", "--output-dir", default="flashnorm-demo",
-                        help="where the exported and optimized models go (default ./flashnorm-demo)")
+                        help="where the exported and optimized models go (default ./flashnorm-demo; made if missing; "
+                             "what a failed run made there is removed). Model files of the same names there are "
+                             "replaced atomically; a folder, device or FIFO of those names is refused, never replaced")
     parser.add_argument("--exported", metavar="ONNX",
                         help=f"use this export of {MODEL} instead of exporting again")
     parser.add_argument("--untie", action="store_true", help="also fold the final norm into a copy of the tied head")
@@ -62,12 +66,7 @@ def paths(args: argparse.Namespace) -> tuple[list[Input], list[Output]]:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    from flashnorm.export.onnx_export import export_source, say
-    from flashnorm.export.sources import load_tokenizer, resolve_source
-    from flashnorm.passes import optimize_file
-    from flashnorm.validate import compare_generation, compare_models, language_model_feeds, read_signature, tokenize
-    from flashnorm.validate.bfloat16 import emulated_session, emulating_runner_factory, precision
-    from flashnorm.validate.runners import make_session
+    from flashnorm.export.sources import resolve_source
 
     if args.tokens < 1:
         raise FlashNormError("--tokens must be at least 1")
@@ -78,18 +77,53 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     started = time.monotonic()
     source = resolve_source(model=MODEL)
     directory = Path(args.output_dir)
-    directory.mkdir(parents=True, exist_ok=True)
     files = 1 if exported else 2
     needed = files * MODEL_FILE_BYTES
-    free = shutil.disk_usage(directory).free
+    existing = next(folder for folder in (directory, *directory.parents) if folder.exists())
+    free = shutil.disk_usage(existing).free
     if free < needed:
         raise FlashNormError(f"{directory} has {free / 1e9:.2f} GB free; the demo writes {needed / 1e9:.2f} GB there "
                              "(choose another folder with -o)")
+    to_export, optimized = _model_files(args)
+    written = [path for model in (to_export, optimized) if model is not None
+               for path in (model, Path(f"{model}.data"))]
+    with _removed_on_failure(directory, written):
+        return _run(args, source, dtype, directory, exported, to_export, optimized, needed, started)
+
+
+@contextlib.contextmanager
+def _removed_on_failure(directory: Path, files: list[Path]) -> Iterator[None]:
+    """A demo that fails or is stopped leaves nothing it created: the files of `files` that did
+    not exist before (files that did are the user's, replaced or not), then the folders it made
+    for them, each only if empty."""
+    new_folders = [folder for folder in (directory, *directory.parents) if not folder.exists()]
+    new_files = [path for path in files if not os.path.lexists(path)]
+    try:
+        yield
+    except BaseException:
+        for path in new_files:
+            with contextlib.suppress(FileNotFoundError):
+                path.unlink()
+        for folder in new_folders:  # deepest first
+            with contextlib.suppress(OSError):
+                folder.rmdir()
+        raise
+
+
+def _run(args: argparse.Namespace, source: Any, dtype: str, directory: Path, exported: Path | None,
+         to_export: Path | None, optimized: Path, needed: int, started: float) -> dict[str, Any]:
+    from flashnorm.export.onnx_export import export_source, say
+    from flashnorm.export.sources import load_tokenizer
+    from flashnorm.passes import optimize_file
+    from flashnorm.validate import compare_generation, compare_models, language_model_feeds, read_signature, tokenize
+    from flashnorm.validate.bfloat16 import emulated_session, emulating_runner_factory, precision
+    from flashnorm.validate.runners import make_session
+
+    directory.mkdir(parents=True, exist_ok=True)
     say(f"flashnorm demo: writing {'the optimized model' if exported else 'the exported and the optimized model'} "
         f"of {MODEL} to {directory}/ (about {needed / 1e9:.1f} GB; -o chooses another folder)")
     report: dict[str, Any] = {"model": MODEL, "output_dir": str(directory)}
 
-    to_export, optimized = _model_files(args)
     if exported:
         original = exported
         report["export"] = {"output": str(original), "reused": True}
@@ -138,6 +172,18 @@ def _pass_line(name: str, counts: dict[str, int], reasons: dict[str, int]) -> st
         line += f", {sum(reasons.values())} left alone: " + "; ".join(
             f"{count} × {reason}" for reason, count in sorted(reasons.items(), key=lambda item: -item[1]))
     return line
+
+
+def verdict(report: dict[str, Any]) -> str:
+    """The one line a failed demo ends with on stderr."""
+    logits = next((o for o in report["compare"]["outputs"] if o["name"] == "logits"), None)
+    if not report["compare"]["passed"] and logits is not None:
+        return (f"the optimized model's logits differ: rel L2 {logits['rel_l2']:.3g} (limit "
+                f"{report['compare']['max_rel_l2']:g}), max abs {logits['max_abs']:.3g}")
+    generation = report["generation"]
+    if not generation["identical"]:
+        return f"the optimized model's greedy tokens differ from token {generation['first_divergence']}"
+    return "the comparison failed (see the report)"
 
 
 def format_text(report: dict[str, Any], verbose: bool = False) -> str:

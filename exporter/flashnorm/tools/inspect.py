@@ -1,5 +1,6 @@
-"""`flashnorm inspect MODEL.onnx`: every RMSNorm site — spelling, eps, gain convention and
-statistics, consumers — and whether fold, cancel and (after fold) defer apply, and if not, why."""
+"""`flashnorm inspect MODEL.onnx`: every norm site — kind (RMSNorm or LayerNorm), spelling, eps,
+gain convention and statistics, consumers — and whether fold, cancel and (after fold) defer
+apply, and if not, why."""
 
 from __future__ import annotations
 
@@ -29,15 +30,16 @@ def format_text(report: dict[str, Any], verbose: bool = False) -> str:
     defer does not apply, one line per step and reason naming its first site and how many
     share it (`verbose`: one line per site and step)."""
     if not report["sites"]:
-        lines = ["no RMSNorm sites found"]
+        lines = ["no RMSNorm or LayerNorm sites found"]
     else:
-        header = ("#", "site", "spelling", "eps", "gain", "min", "mean", "max", "neg", "consumers", "fold", "cancel",
-                  "defer")
+        header = ("#", "site", "kind", "spelling", "eps", "gain", "min", "mean", "max", "neg", "consumers", "fold",
+                  "cancel", "defer")
         rows = []
         for i, s in enumerate(report["sites"]):
             g = s["gain"]
             stats = ("-",) * 4 if g is None else (f"{g['min']:.3g}", f"{g['mean']:.3g}", f"{g['max']:.3g}", str(g["negatives"]))
-            rows.append((str(i), _short(s["name"], 40), s["spelling"], f"{s['eps']:.3g}", s["gain_convention"], *stats,
+            rows.append((str(i), _short(s["name"], 40), s["kind"], s["spelling"], f"{s['eps']:.3g}", s["gain_convention"],
+                         *stats,
                          _short(", ".join(c.split()[0] for c in s["consumers"]), 30),
                          *("yes" if s[step]["applies"] else "no" for step in ("fold", "cancel", "defer"))))
         widths = [max(len(r[c]) for r in [header, *rows]) for c in range(len(header))]

@@ -7,18 +7,20 @@ import argparse
 from typing import Any
 
 from flashnorm.passes import DEFAULT_PASSES, PASSES, optimize_file
-from flashnorm.passes.quantization_aware import FORMATS
+from flashnorm.quantization_aware import FORMATS
 from flashnorm.paths import Input, Output
 from flashnorm.report import grouped_reasons
-from flashnorm.tools.options import add_quant_limit_option, onnx_inputs, onnx_outputs
+from flashnorm.tools.options import FILE_OUTPUT, add_quant_limit_option, onnx_inputs, onnx_outputs
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model", help="input ONNX model (never modified)")
-    parser.add_argument("-o", "--output", required=True, help="where to write the optimized model")
+    parser.add_argument("-o", "--output", required=True, help="where to write the optimized model (and its .data file)"
+                        + FILE_OUTPUT)
     parser.add_argument("--passes", default=",".join(DEFAULT_PASSES),
                         help=f"comma-separated passes in order (available: {', '.join(PASSES)}; "
-                             f"default: {','.join(DEFAULT_PASSES)})")
+                             f"default: {','.join(DEFAULT_PASSES)}); --untie, --for-quantization and --quant-limit "
+                             "are fold's options, refused when the passes do not include fold")
     parser.add_argument("--untie", action="store_true",
                         help="fold into a private copy of a weight shared with other nodes (tied LM head)")
     parser.add_argument("--for-quantization", metavar="FORMAT", choices=sorted(FORMATS),
@@ -26,8 +28,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "to keep that quantizer's weight error within the format's share of the unfolded model's "
                              "(simulated round-to-nearest; "
                              + "; ".join(f"{k}: {v.description} (share {v.share * 100:g} %%)" for k, v in FORMATS.items())
-                             + "); "
-                             "each site's predicted error ratio is in the report (docs/QUANTIZATION.md)")
+                             + "); each site's predicted error ratio is in the report (docs/QUANTIZATION.md). For a "
+                               "float model: one whose norms already feed quantized consumers is refused (fold it "
+                               "without this option)")
     parser.add_argument("--external-data", action=argparse.BooleanOptionalAction, default=None,
                         help="store weights in OUT.onnx.data (default: as the input did, or when over ~1.8 GB)")
     add_quant_limit_option(parser)

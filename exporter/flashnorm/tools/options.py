@@ -15,12 +15,24 @@ from flashnorm.engine.loader import BACKENDS
 from flashnorm.paths import Input, Output
 
 
+FILE_OUTPUT = ("; a regular file there is replaced atomically, anything else (a folder, a device such as /dev/null, "
+               "a FIFO) is refused, never replaced")
+"""How a file output treats what is already there: the end of every -o help (flashnorm.paths)."""
+FOLDER_OUTPUT = ("; it must be missing or empty, or with --force a folder flashnorm wrote; anything else is refused, "
+                 "never replaced")
+"""How a folder output treats what is already there."""
+
+
 def add_output_options(parser: argparse.ArgumentParser) -> None:
     """--report, -q, -v: every subcommand."""
     group = parser.add_argument_group("output")
     group.add_argument("--report", metavar="PATH",
-                       help="also write the command's report as JSON to PATH ('-' prints JSON instead of text)")
-    group.add_argument("-q", "--quiet", action="store_true", help="print nothing but errors")
+                       help="also write the command's report as JSON to PATH. '-' or /dev/stdout prints the JSON "
+                            "instead of the text report, /dev/stderr writes it there (written through, not "
+                            "replaced)" + FILE_OUTPUT)
+    group.add_argument("-q", "--quiet", action="store_true",
+                       help="print nothing but errors and, for a failed check, its verdict line (no progress, no "
+                            "report)")
     group.add_argument("-v", "--verbose", action="store_true",
                        help="more detail: every site in the text report, instead of skipped sites grouped by "
                             "reason (the JSON report always lists every site); build: TensorRT's verbose log")
@@ -149,23 +161,35 @@ def _number(kind: type, text: str) -> float | int:
     return value
 
 
-def at_least(lowest: float | int, kind: type = int):
-    """An argparse type: a `kind` number (finite) that is at least `lowest`."""
+INT32_LIMIT = 2**31 - 1
+"""The largest value of an int32 field (Triton's config.pbtxt counts, ONNX Runtime's threads)."""
+INT64_LIMIT = 2**63 - 1
+"""The largest value of an int64 (TensorRT's sizes and dimensions)."""
+
+
+def at_least(lowest: float | int, kind: type = int, highest: float | int | None = None):
+    """An argparse type: a `kind` number (finite) that is at least `lowest` (and at most
+    `highest`: where the value goes into a fixed-width field, a bound checked here instead of
+    an overflow in a binding later)."""
     def parse(text: str) -> float | int:
         value = _number(kind, text)
         if value < lowest:
             raise argparse.ArgumentTypeError(f"must be at least {lowest}, got {text}")
+        if highest is not None and value > highest:
+            raise argparse.ArgumentTypeError(f"must be at most {highest}, got {text}")
         return value
     parse.__name__ = f"{kind.__name__} >= {lowest}"
     return parse
 
 
-def positive(kind: type = float):
-    """An argparse type: a `kind` number (finite) greater than zero."""
+def positive(kind: type = float, highest: float | int | None = None):
+    """An argparse type: a `kind` number (finite) greater than zero (and at most `highest`)."""
     def parse(text: str) -> float | int:
         value = _number(kind, text)
         if not value > 0:
             raise argparse.ArgumentTypeError(f"must be greater than 0, got {text}")
+        if highest is not None and value > highest:
+            raise argparse.ArgumentTypeError(f"must be at most {highest}, got {text}")
         return value
     parse.__name__ = f"positive {kind.__name__}"
     return parse

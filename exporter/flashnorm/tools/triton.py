@@ -10,6 +10,15 @@ Two kinds:
   disagree, shapes outside the profile.
 - `--onnx model.onnx --triton-backend python -o REPO`: a Python-backend model serving the ONNX with
   ONNX Runtime (no GPU needed); it checks requests itself.
+- `--onnx model.onnx --triton-backend onnxruntime -o REPO`: an `onnxruntime_onnx` model for
+  Triton's ONNX Runtime backend (a folded or deferred file runs as it is: FlashNormMatMul nodes
+  through their model-local functions); `--check-requests` puts the Python-backend checks in
+  front (an ensemble).
+
+Embedding models (an encoder exported by `flashnorm export`: pixel_values, input_ids +
+attention_mask or input_features → last_hidden_state and a pooled output) are served like
+language models: `--outputs` picks the pooled output and/or the last hidden state, token ids are
+checked against the embedding table, pixels and features must be finite.
 """
 
 from __future__ import annotations
@@ -21,6 +30,9 @@ from pathlib import Path
 from flashnorm.errors import FlashNormError, require_file
 from flashnorm.paths import Input, Output
 from flashnorm.tools.options import (
+    FOLDER_OUTPUT,
+    INT32_LIMIT,
+    INT64_LIMIT,
     DeprecatedAlias,
     add_plugin_option,
     add_shapes_option,
@@ -29,14 +41,15 @@ from flashnorm.tools.options import (
     onnx_inputs,
 )
 
-TRITON_BACKENDS = ("tensorrt", "python")
+TRITON_BACKENDS = ("tensorrt", "python", "onnxruntime")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     source = parser.add_argument_group("model")
     source.add_argument("--triton-backend", choices=TRITON_BACKENDS, default="tensorrt",
                         help="the Triton backend that serves the model: tensorrt serves --engine; python serves "
-                             "--onnx with ONNX Runtime (default: tensorrt)")
+                             "--onnx with ONNX Runtime from a Python model; onnxruntime writes --onnx for Triton's "
+                             "ONNX Runtime backend (default: tensorrt)")
     source.add_argument("--backend", dest="triton_backend", choices=TRITON_BACKENDS, action=DeprecatedAlias,
                         replacement="--triton-backend",
                         why="--backend names the TensorRT flavour in build and compare",
@@ -51,33 +64,47 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_shapes_option(source, "--triton-backend tensorrt: the optimization profile the engine was built with (as "
                               "given to `flashnorm build --shapes`), checked against --max-batch-size and the dims; "
                               "read from the engine instead where TensorRT is importable")
-    parser.add_argument("-o", "--output", required=True, metavar="REPO", help="model repository folder to write")
+    parser.add_argument("-o", "--output", required=True, metavar="REPO", help="model repository folder to write" + FOLDER_OUTPUT)
     parser.add_argument("--force", action="store_true", help="replace REPO if it exists and is not empty")
     config = parser.add_argument_group("config.pbtxt")
     config.add_argument("--name", help="model name (default: the model file's name without extension)")
-    config.add_argument("--max-batch-size", type=at_least(0), default=8,
+    config.add_argument("--max-batch-size", type=at_least(0, highest=INT32_LIMIT), default=8,
                         help="Triton max_batch_size; 0 serves the model unbatched (default: 8)")
-    config.add_argument("--max-queue-delay-us", type=at_least(0), default=0,
+    config.add_argument("--max-queue-delay-us", type=at_least(0, highest=INT64_LIMIT), default=0,
                         help="dynamic batching: how long a request may wait for others (default: 0)")
-    config.add_argument("--instances", type=at_least(1), default=1, help="model instances (default: 1)")
+    config.add_argument("--instances", type=at_least(1, highest=INT32_LIMIT), default=1,
+                        help="model instances (default: 1)")
     config.add_argument("--cuda-graphs", action="store_true",
                         help="tensorrt: add optimization { cuda { graphs: true } }")
     config.add_argument("--check-requests", action="store_true",
-                        help="tensorrt: serve NAME as an ensemble whose first step, a Python-backend model "
-                        "(numpy only), refuses bad requests (token ids outside the vocabulary, lengths that "
-                        "disagree, shapes outside --shapes) with HTTP 400 before the engine runs")
+                        help="tensorrt, onnxruntime: serve NAME as an ensemble whose first step, a Python-backend "
+                        "model (numpy only), refuses bad requests (token ids outside the vocabulary, lengths that "
+                        "disagree, non-finite pixels or features, shapes outside --shapes) with HTTP 400 before "
+                        "the model runs")
     config.add_argument("--outputs", nargs="+", metavar="NAME",
-                        help="python: serve only these ONNX outputs (e.g. logits)")
-    config.add_argument("--threads", type=at_least(0), default=0,
+                        help="python, onnxruntime: serve only these ONNX outputs (e.g. logits; an encoder's "
+                             "pooler_output, image_embeds or text_embeds, and/or last_hidden_state)")
+    config.add_argument("--threads", type=at_least(0, highest=INT32_LIMIT), default=0,
                         help="python: ONNX Runtime intra-op threads per instance (default: 0 = its choice)")
     config.add_argument("--providers", default="CPUExecutionProvider",
-                        help="python: comma-separated ONNX Runtime providers (default: CPUExecutionProvider)")
+                        help="python: comma-separated ONNX Runtime providers; onnxruntime: GPU instances where "
+                             "one is not CPUExecutionProvider (default: CPUExecutionProvider)")
 
 
 def paths(args: argparse.Namespace) -> tuple[list[Input], list[Output]]:
     read = onnx_inputs("model", args.onnx) + file_inputs("engine", [args.engine])
     read += file_inputs("plugin library", args.plugin)
     return read, [Output("repository", Path(args.output), folder=True)]
+
+
+TENSORRT_RTX_PLAN_MAGIC = b"vtrt"
+"""The first bytes of a TensorRT-RTX plan (every plan TensorRT-RTX 1.7.1 built here); a TensorRT plan
+starts with b"ftrt" (what torch-tensorrt checks for). Triton's TensorRT backend cannot load the former."""
+
+
+def _tensorrt_rtx_plan(path: str) -> bool:
+    with open(path, "rb") as plan:
+        return plan.read(len(TENSORRT_RTX_PLAN_MAGIC)) == TENSORRT_RTX_PLAN_MAGIC
 
 
 def _default_name(path: str) -> str:
@@ -108,9 +135,30 @@ def _engine_signature(args: argparse.Namespace):
 
 
 def run(args: argparse.Namespace) -> dict:
-    from flashnorm.serve import signature_from_onnx, write_engine_repository, write_onnx_python_repository
+    from flashnorm.serve import (
+        signature_from_onnx,
+        write_engine_repository,
+        write_onnx_python_repository,
+        write_onnxruntime_repository,
+    )
 
-    if args.triton_backend == "python":
+    providers = tuple(p.strip() for p in args.providers.split(",") if p.strip())
+    if args.triton_backend == "onnxruntime":
+        if not args.onnx:
+            raise FlashNormError("--triton-backend onnxruntime needs --onnx MODEL.onnx")
+        for flag, value in (("--engine", args.engine), ("--plugin", args.plugin), ("--io", args.io),
+                            ("--cuda-graphs", args.cuda_graphs), ("--shapes", args.shapes), ("--threads", args.threads)):
+            if value:
+                raise FlashNormError(f"{flag} does not apply to --triton-backend onnxruntime")
+        signature = signature_from_onnx(args.onnx).select_outputs(args.outputs)
+        result = write_onnxruntime_repository(
+            args.onnx, signature, args.output,
+            name=args.name or _default_name(args.onnx), max_batch_size=args.max_batch_size,
+            instances=args.instances, max_queue_delay_us=args.max_queue_delay_us,
+            gpu=any(provider != "CPUExecutionProvider" for provider in providers),
+            check_requests=args.check_requests, force=args.force,
+        )
+    elif args.triton_backend == "python":
         if not args.onnx:
             raise FlashNormError("--triton-backend python needs --onnx MODEL.onnx")
         for flag, value in (("--engine", args.engine), ("--plugin", args.plugin), ("--io", args.io),
@@ -123,19 +171,25 @@ def run(args: argparse.Namespace) -> dict:
             args.onnx, signature, args.output,
             name=args.name or _default_name(args.onnx), max_batch_size=args.max_batch_size,
             instances=args.instances, max_queue_delay_us=args.max_queue_delay_us,
-            intra_op_threads=args.threads,
-            providers=tuple(p.strip() for p in args.providers.split(",") if p.strip()),
-            force=args.force,
+            intra_op_threads=args.threads, providers=providers, force=args.force,
         )
     else:
-        if not args.engine or not args.plugin:
+        if not args.engine:
             raise FlashNormError("--triton-backend tensorrt needs --engine MODEL.plan and --plugin LIB.so")
+        require_file("engine", args.engine)
+        if _tensorrt_rtx_plan(args.engine):
+            raise FlashNormError(f"{args.engine} is a TensorRT-RTX plan, which Triton's TensorRT backend cannot load (it "
+                                 "runs TensorRT plans only, and TensorRT-RTX has no plugin layers): build the engine with "
+                                 "`flashnorm build --backend tensorrt --plugin LIB.so`, or serve the ONNX with "
+                                 "--triton-backend python")
+        if not args.plugin:
+            raise FlashNormError("--plugin LIB.so is missing: --triton-backend tensorrt copies the FlashNorm plugin "
+                                 "library the engine was built with into the repository")
         if len(args.plugin) > 1:
             raise FlashNormError(f"--triton-backend tensorrt copies one plugin library into the repository, got {len(args.plugin)}")
         plugin = args.plugin[0]
         if args.outputs:
             raise FlashNormError("--outputs applies to --triton-backend python; a TensorRT config declares every engine output")
-        require_file("engine", args.engine)
         require_file("plugin library", plugin)
         signature = _engine_signature(args)
         result = write_engine_repository(
@@ -151,6 +205,7 @@ def run(args: argparse.Namespace) -> dict:
         "inputs": [{"name": s.name, "data_type": s.data_type, "shape": list(s.shape)} for s in signature.inputs],
         "outputs": [{"name": s.name, "data_type": s.data_type, "shape": list(s.shape)} for s in signature.outputs],
         "config_validated": True,
+        "vocabulary": signature.vocabulary or None,
         **result.to_dict(),
     }
     if args.triton_backend == "tensorrt":

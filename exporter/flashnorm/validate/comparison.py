@@ -18,7 +18,7 @@ import numpy as np
 
 from flashnorm.errors import FlashNormError
 from flashnorm.validate.inputs import read_signature
-from flashnorm.validate.runners import RunnerFactory, onnxrt_runner_factory
+from flashnorm.validate.runners import RunnerFactory, onnxrt_runner_factory, raise_run_failure
 
 REFERENCE, CANDIDATE = "reference", "candidate"
 DEFAULT_ATOL, DEFAULT_RTOL, DEFAULT_MAX_REL_L2 = 1e-4, 1e-3, 1e-5
@@ -160,7 +160,11 @@ def compare_several(
         colors, G_LOGGER.colors = G_LOGGER.colors, False  # else it prints a note on stdout
         try:
             with G_LOGGER.verbosity(G_LOGGER.CRITICAL):
-                run_results = Comparator.run(runner_list, data_loader=feeds)
+                try:
+                    run_results = Comparator.run(runner_list, data_loader=feeds)
+                except Exception as exc:
+                    raise_run_failure(exc, "a model")
+                    raise
                 # Pairs (candidate, reference): Polygraphy measures relative error against the second.
                 indices = {role: i for i, role in enumerate(models)}
                 accuracy = Comparator.compare_accuracy(

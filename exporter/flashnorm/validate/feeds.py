@@ -87,6 +87,9 @@ def build_feeds(
         else:
             id_batches = [parse_input_ids(options.input_ids)]
         description["input_ids"] = describe_ids(id_batches[0])
+        flag = "--shipped-text" if options.shipped_text else "--text" if options.text is not None else "--input-ids"
+        check_context(signature, max(ids.shape[1] for ids in id_batches) + options.past_length + options.generate,
+                      flag + ("/--past-length" if options.past_length else "") + ("/--generate" if options.generate else ""))
     else:
         for name, value in (("batch", batch), ("sequence", sequence), ("iterations", options.iterations)):
             if value < 1:
@@ -94,6 +97,8 @@ def build_feeds(
         vocab = signature.vocab_size
         if vocab is None:
             raise FlashNormError("cannot draw random token ids: the logits output has no fixed vocabulary size")
+        check_context(signature, sequence + options.past_length + options.generate,
+                      "--sequence" + ("/--past-length" if options.past_length else "") + ("/--generate" if options.generate else ""))
         check_memory("--batch/--sequence/--iterations", token_model_bytes(batch, sequence, vocab, options.iterations))
         id_batches = [random_token_ids(vocab, batch, sequence, rng) for _ in range(options.iterations)]
         description["random_token_ids"] = f"{options.iterations} × [{batch}, {sequence}] in [0, {vocab})"
@@ -174,6 +179,28 @@ def _random_tensor_feeds(
     description: dict[str, Any] = {"seed": seed, "iterations": options.iterations}
     description.update({f"input {name}": text for name, text in drawn.items()})
     return feeds, description
+
+
+CONTEXT_LENGTH_KEY = "flashnorm.context_length"
+"""The ONNX metadata key where `flashnorm export` records the model's trained context
+(max_position_embeddings): positions beyond it are refused before any model runs."""
+
+
+def context_length(signature: ModelSignature) -> int | None:
+    """The context recorded in the model's metadata, None where it records none (other exporters)."""
+    try:
+        length = int(signature.metadata.get(CONTEXT_LENGTH_KEY, ""))
+    except ValueError:
+        return None
+    return length if length > 0 else None
+
+
+def check_context(signature: ModelSignature, tokens: int, flags: str) -> None:
+    """Refuse `tokens` positions (prompt, past and generated together) beyond the model's context."""
+    limit = context_length(signature)
+    if limit is not None and tokens > limit:
+        raise FlashNormError(f"{flags}: {tokens} positions exceed the model's context of {limit} tokens "
+                             "(max_position_embeddings, recorded by flashnorm export); choose fewer")
 
 
 def token_model_bytes(batch: int, sequence: int, vocab: int, iterations: int) -> float:

@@ -15,9 +15,9 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from flashnorm.errors import FlashNormError
-from flashnorm.validate.feeds import check_memory, token_model_bytes
+from flashnorm.validate.feeds import check_context, check_memory, token_model_bytes
 from flashnorm.validate.inputs import as_int_sequence, read_signature
-from flashnorm.validate.runners import make_session
+from flashnorm.validate.runners import make_session, raise_run_failure
 
 
 _ORT_FLOAT_TYPES = {"tensor(float)": np.float32, "tensor(float16)": np.float16, "tensor(double)": np.float64}
@@ -112,13 +112,19 @@ def compare_generation(
     honoured during the comparison (both models run `max_new_tokens` steps) unless
     `eos_token_id` is given."""
     prompt = as_int_sequence(prompt_ids)
-    vocab = read_signature(reference).vocab_size
+    signature = read_signature(reference)
+    check_context(signature, len(prompt) + max_new_tokens, "--generate/--tokens")
+    vocab = signature.vocab_size
     if vocab is not None:  # every step reruns the whole sequence: its logits grow with it
         check_memory("--generate/--tokens", token_model_bytes(1, len(prompt) + max_new_tokens, vocab, 1))
     results = []
     for path in (reference, candidate):
         session = session_factory(path)
-        results.append(greedy_generate(session, prompt, max_new_tokens, eos_token_id=eos_token_id))
+        try:
+            results.append(greedy_generate(session, prompt, max_new_tokens, eos_token_id=eos_token_id))
+        except Exception as exc:
+            raise_run_failure(exc, f"greedy generation from {path}")
+            raise
         del session
     reference_tokens, candidate_tokens = results
     first = next(

@@ -179,7 +179,7 @@ def tokenize(text: str, tokenizer: Any) -> np.ndarray:
 def tokenizer_for(model_path: str | os.PathLike[str], tokenizer: str | None = None) -> Any:
     """The tokenizer named by `tokenizer` (HF directory, .gguf file or --model name), else the
     one recorded in the model's metadata by `flashnorm export`."""
-    from flashnorm.export.sources import KNOWN_MODELS, ModelSource, load_tokenizer, resolve_source
+    from flashnorm.export.sources import KNOWN_MODELS, load_tokenizer, resolve_source
 
     if tokenizer is not None:
         if tokenizer.lower() in KNOWN_MODELS:
@@ -193,7 +193,12 @@ def tokenizer_for(model_path: str | os.PathLike[str], tokenizer: str | None = No
         raise FlashNormError(
             f"{model_path} does not record its source model; pass --tokenizer (HF directory, .gguf or model name)"
         )
-    return load_tokenizer(ModelSource(Path(directory), metadata.get("flashnorm.gguf_file")))
+    # Names read from inside the model: checked as a source given on the command line is, the
+    # GGUF file a plain name in that directory (docs/SECURITY.md).
+    gguf = metadata.get("flashnorm.gguf_file")
+    if gguf and (gguf in (".", "..") or Path(gguf).name != gguf or "\x00" in gguf):
+        raise FlashNormError(f"{model_path} records the GGUF file {gguf!r}, not a file name; pass --tokenizer")
+    return load_tokenizer(resolve_source(Path(directory) / gguf if gguf else directory))
 
 
 def describe_ids(ids: np.ndarray, limit: int = 16) -> str:

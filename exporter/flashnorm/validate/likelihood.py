@@ -17,8 +17,9 @@ default, all of them.
 
 Any causal-LM ONNX file that ONNX Runtime runs: `input_ids`, optionally `attention_mask`,
 `position_ids` and `past_key_values.<i>.key/value` (fed empty; onnxruntime-genai's builder
-writes such models), and a `logits` output (else the first output). Only numpy and
-onnxruntime are needed.
+writes such models), and a `logits` output (else the first output). Measuring needs only numpy
+and onnxruntime; `quantized_ops` (is a model quantized: `flashnorm.match.quantized`'s table)
+reads the graph with onnx.
 """
 
 from __future__ import annotations
@@ -41,13 +42,6 @@ DEFAULT_WINDOW = 1024
 """Tokens per forward pass: the text is cut into windows of this many tokens, each run alone."""
 PROMPT_TOKENS = 16
 GREEDY_TOKENS = 32
-
-QUANTIZED_OPS = frozenset({
-    "MatMulNBits", "QuantizeLinear", "DequantizeLinear", "GatherBlockQuantized", "DynamicQuantizeLinear",
-    "MatMulInteger", "QLinearMatMul", "DynamicQuantizeMatMul", "MatMulIntegerToFloat", "QAttention",
-    "TRT_FP8QuantizeLinear", "TRT_FP8DequantizeLinear", "TRT_INT4QuantizeLinear", "TRT_INT4DequantizeLinear",
-})
-"""Op types whose presence makes a model quantized for `flashnorm compare --budget`."""
 
 _ORT_TYPES = {"tensor(float)": np.float32, "tensor(float16)": np.float16, "tensor(double)": np.float64,
               "tensor(int64)": np.int64, "tensor(int32)": np.int32}
@@ -87,20 +81,18 @@ def shipped_text_names(choice: str | None) -> list[str]:
 
 
 def quantized_ops(model_path: str | os.PathLike[str]) -> dict[str, int]:
-    """{op type: count} of the QUANTIZED_OPS in the model's graph (and its local functions);
-    empty for a float model. External weights are not read."""
+    """{op type: count} of the quantized ops (`flashnorm.match.quantized.QUANTIZED_OPS`) in the
+    model's graph and its local functions; empty for a float model. External weights are not read."""
     import onnx
+
+    from flashnorm.match.quantized import quantized_op_counts
 
     try:
         model = onnx.load(os.fspath(model_path), load_external_data=False)
     except (OSError, ValueError) as exc:
         raise FlashNormError(f"cannot read {model_path}: {exc}") from None
-    counts: dict[str, int] = {}
     nodes = list(model.graph.node) + [n for f in model.functions for n in f.node]
-    for node in nodes:
-        if node.op_type in QUANTIZED_OPS:
-            counts[node.op_type] = counts.get(node.op_type, 0) + 1
-    return counts
+    return quantized_op_counts(node.op_type for node in nodes)
 
 
 def past_head_size(model_path: str | os.PathLike[str]) -> int | None:

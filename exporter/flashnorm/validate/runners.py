@@ -74,3 +74,14 @@ def onnxrt_runner_factory(
         )
 
     return build
+
+
+def raise_run_failure(error: Exception, what: str) -> None:
+    """Re-raise an error ONNX Runtime, Polygraphy or TensorRT raised while `what` ran (a model
+    that cannot run on these inputs: too long for it, out of memory, a bad feed) as one line;
+    return for anything else (not theirs: a bug the caller lets through)."""
+    module = type(error).__module__ or ""
+    if module.split(".")[0] in ("onnxruntime", "polygraphy", "tensorrt", "tensorrt_rtx"):
+        lines = str(error).strip().splitlines()
+        reason = lines[0][:300] if lines else type(error).__name__
+        raise FlashNormError(f"{what} failed while running: {reason}") from None

@@ -389,7 +389,7 @@ size_t workspace_bytes(Problem const& problem, Strategy strategy, bool under_aut
     case Strategy::kPrenorm:
     {
         SplitRun runs[kMaxOutputs];
-        return prenorm_layout(problem.m, problem.k, problem.dtype,
+        return prenorm_layout(problem.m, problem.k, problem.n, problem.dtype,
             split_runs(problem.split_count, problem.split_sizes, runs))
             .total;
     }
@@ -427,11 +427,12 @@ TwoStreamLayout two_stream_layout(int64_t m, int64_t n, DType dtype)
     return layout;
 }
 
-PrenormLayout prenorm_layout(int64_t m, int64_t k, DType dtype, int runs)
+PrenormLayout prenorm_layout(int64_t m, int64_t k, int64_t n, DType dtype, int runs)
 {
     PrenormLayout layout{};
     layout.pointer_table_offset = round_up(element_bytes(dtype) * static_cast<size_t>(m * k));
-    layout.gemm_workspace_offset = layout.pointer_table_offset + round_up(kPointerTableBytes);
+    layout.bias_offset = layout.pointer_table_offset + round_up(kPointerTableBytes);
+    layout.gemm_workspace_offset = layout.bias_offset + round_up(element_bytes(dtype) * static_cast<size_t>(n));
     layout.side_gemm_workspace_offset = layout.gemm_workspace_offset + kGemmWorkspaceBytes;
     layout.total = layout.side_gemm_workspace_offset + (runs > 1 ? kGemmWorkspaceBytes : 0);
     return layout;

@@ -35,8 +35,17 @@ enum class Strategy
     kEpilogueScale = 4,
 };
 
+// flashnorm_statistic's values (capi.cpp asserts they agree).
+enum class Statistic
+{
+    kRms = 0,
+    kVariance = 1,
+};
+
 // A well-formed problem (capi.cpp checks it first): x [m, k] · W* [k, n], n split into
-// split_count outputs of split_sizes columns each.
+// split_count outputs of split_sizes columns each. AUTO picks alike for both statistics: every
+// strategy computes the variance in the pass that computes the RMS (a second running sum), and the
+// golden table shows the LayerNorm sites' picks under both (tests/plugins/test_dispatch_golden.py).
 struct Problem
 {
     int64_t m;
@@ -45,6 +54,7 @@ struct Problem
     int32_t split_count;
     int64_t split_sizes[kMaxOutputs];
     DType dtype;
+    Statistic statistic;
 };
 
 // What AUTO runs and the workspace flashnorm_workspace_size reports under AUTO: enough for this
@@ -118,16 +128,19 @@ struct TwoStreamLayout
 };
 TwoStreamLayout two_stream_layout(int64_t m, int64_t n, DType dtype);
 
-// The prenorm workspace: [x̂: m×k in the I/O dtype][pointer arrays of the batched GEMMs][cuBLASLt
-// workspace][the side stream's cuBLASLt workspace, with more than one run of splits].
+// The prenorm workspace: [x̂: m×k in the I/O dtype][pointer arrays of the batched GEMMs][the bias
+// in the I/O dtype: n values, for a cuBLASLt that takes no fp32 bias beside 16-bit outputs (a
+// call's bias is not part of the problem, so the room is always there)][cuBLASLt workspace][the
+// side stream's cuBLASLt workspace, with more than one run of splits].
 struct PrenormLayout
 {
     size_t pointer_table_offset;
+    size_t bias_offset;
     size_t gemm_workspace_offset;
     size_t side_gemm_workspace_offset;
     size_t total;
 };
-PrenormLayout prenorm_layout(int64_t m, int64_t k, DType dtype, int runs);
+PrenormLayout prenorm_layout(int64_t m, int64_t k, int64_t n, DType dtype, int runs);
 
 // The epilogue-scale workspace: inv_rms, m floats.
 size_t epilogue_scale_workspace_bytes(int64_t m);

@@ -1,5 +1,5 @@
-// Prints AUTO's golden table (tests/plugins/golden/auto_dispatch.csv) to stdout: for each site, dtype,
-// multiprocessor count and build with or without the CUTLASS kernel, every run of consecutive rows
+// Prints AUTO's golden table (tests/plugins/golden/auto_dispatch.csv) to stdout: for each site, statistic,
+// dtype, multiprocessor count and build with or without the CUTLASS kernel, every run of consecutive rows
 // with one pick (strategy, the epilogue-scale GEMM's tiles where it is picked, and the workspace
 // flashnorm_workspace_size reports: `0`, `two_stream(m)` or `prenorm(m)` where it is that strategy's
 // size at each row, else the constant byte count reserved for the smaller rows), with the bytes at
@@ -20,6 +20,7 @@ namespace
 
 using flashnorm::dispatch::DType;
 using flashnorm::dispatch::Problem;
+using flashnorm::dispatch::Statistic;
 using flashnorm::dispatch::Strategy;
 
 struct Site
@@ -27,6 +28,10 @@ struct Site
     char const* name;
     int64_t k;
     std::vector<int64_t> splits;
+    // LayerNorm sites are listed under both statistics (AUTO picks alike for both, and the table
+    // shows it row for row); RMSNorm sites under the RMS only. A call's bias is not part of the
+    // problem: it moves neither the pick nor the workspace (prenorm always reserves its rounding).
+    bool layer_norm = false;
 };
 
 // Real models' norm→projection sites (benchmarks/shapes.py, and wider models), then constructed
@@ -62,7 +67,20 @@ std::vector<Site> const kSites = {
     {"small K", 130, {24, 72}},
     {"small K wide", 130, {5000}},
     {"small splits", 256, {64, 64, 32}},
+    // Pre-LN encoders' LayerNorm→projection sites (benchmarks/shapes.py LN_SITES): ViT-B/16 and the
+    // Whisper-small encoder (hidden 768, MLP 3072), CLIP ViT-L/14 (hidden 1024, MLP 4096).
+    {"ViT-B/16 q|k|v", 768, {768, 768, 768}, true},
+    {"ViT-B/16 fc1", 768, {3072}, true},
+    {"CLIP ViT-L/14 q|k|v", 1024, {1024, 1024, 1024}, true},
+    {"CLIP ViT-L/14 fc1", 1024, {4096}, true},
 };
+
+struct StatisticName
+{
+    char const* name;
+    Statistic statistic;
+};
+StatisticName const kStatistics[] = {{"rms", Statistic::kRms}, {"variance", Statistic::kVariance}};
 
 struct Dtype
 {
@@ -116,8 +134,8 @@ void fail(std::string const& what)
 int main(int argc, char** argv)
 {
     bool const every_row = argc > 1 && std::strcmp(argv[1], "--every-row") == 0;
-    std::printf("site,k,splits,dtype,multiprocessors,epilogue_scale_built,m_from,m_to,strategy,tiles,workspace,"
-                "workspace_bytes_at_m_to\n");
+    std::printf("site,k,splits,statistic,dtype,multiprocessors,epilogue_scale_built,m_from,m_to,strategy,tiles,"
+                "workspace,workspace_bytes_at_m_to\n");
     std::vector<int64_t> rows;
     for (int64_t m = 1; m <= kContiguousRows; ++m)
         rows.push_back(m);
@@ -135,6 +153,11 @@ int main(int argc, char** argv)
             problem.n += site.splits[i];
             splits += (i ? "|" : "") + std::to_string(site.splits[i]);
         }
+        for (StatisticName const& statistic : kStatistics)
+        {
+        if (statistic.statistic == Statistic::kVariance && !site.layer_norm)
+            continue;
+        problem.statistic = statistic.statistic;
         for (Dtype const& dtype : kDtypes)
         {
             problem.dtype = dtype.dtype;
@@ -143,7 +166,8 @@ int main(int argc, char** argv)
                 for (bool built : {true, false})
                 {
                     std::string const prefix = std::string(site.name) + "," + std::to_string(site.k) + "," + splits
-                        + "," + dtype.name + "," + std::to_string(multiprocessors) + "," + (built ? "1" : "0");
+                        + "," + statistic.name + "," + dtype.name + "," + std::to_string(multiprocessors) + ","
+                        + (built ? "1" : "0");
                     std::string run_pick;
                     int64_t run_from = 0;
                     int64_t previous = 0;
@@ -187,6 +211,7 @@ int main(int argc, char** argv)
                         flush();
                 }
             }
+        }
         }
     }
     return failures == 0 ? 0 : 1;

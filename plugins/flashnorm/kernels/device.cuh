@@ -1,4 +1,5 @@
-// Device-side helpers shared by the kernels: element conversion, warp sums, output routing.
+// Device-side helpers shared by the kernels: element conversion, warp sums, the row statistics, output
+// routing.
 #pragma once
 
 #include <cstdint>
@@ -101,6 +102,48 @@ __device__ __forceinline__ uint4 scaled(uint4 const& packed, float scale)
     return out;
 }
 
+// (Σ(v − shift), Σ(v − shift)²) in fp32 over the 16 / sizeof(T) elements packed in one 16-byte vector.
+template <typename T>
+__device__ __forceinline__ float2 shifted_sums(uint4 const& packed, float shift)
+{
+    T const* elements = reinterpret_cast<T const*>(&packed);
+    float2 sums = make_float2(0.f, 0.f);
+#pragma unroll
+    for (int e = 0; e < int(16 / sizeof(T)); ++e)
+    {
+        float const d = to_float(elements[e]) - shift;
+        sums.x += d;
+        sums.y += d * d;
+    }
+    return sums;
+}
+
+// The variance statistic's row scale, rsqrt(mean((x − mean x)²) + eps), from sums shifted by one
+// element c of the row (its first): shifted = Σ(x − c), squares = Σ(x − c)². Then
+// var = squares/K − (shifted/K)² cancels only as much as (mean − c)² exceeds var, which for any
+// element c of the row is at most K − 1 times (and about once for typical rows), where
+// mean(x²) − mean² cancels as (mean/σ)² does (kernels/DESIGN.md, "The statistic's numerics").
+__device__ __forceinline__ float centred_scale(float shifted, float squares, float k, float eps)
+{
+    float const mean = shifted / k;
+    return rsqrtf(fmaxf(squares / k - mean * mean, 0.f) + eps);
+}
+
+// One 16-byte vector of T, each element minus `mean`, times `scale` in fp32, rounded once.
+template <typename T>
+__device__ __forceinline__ uint4 centred_scaled(uint4 const& packed, float mean, float scale)
+{
+    T const* elements = reinterpret_cast<T const*>(&packed);
+    uint4 out;
+    T* values = reinterpret_cast<T*>(&out);
+#pragma unroll
+    for (int e = 0; e < int(16 / sizeof(T)); ++e)
+    {
+        values[e] = from_float<T>((to_float(elements[e]) - mean) * scale);
+    }
+    return out;
+}
+
 // This thread's share of sum(row²): elements first, first + stride, ... of a K-long row, read as
 // 16-byte vectors where `vectorized` (K a multiple of the vector, the row 16-byte aligned).
 template <typename T>
@@ -125,21 +168,62 @@ __device__ __forceinline__ float row_square_sum(T const* row, int64_t k, int64_t
     return sum;
 }
 
-// The deferred norm's RMS reduction, one warp per row, kInvRmsRowsPerBlock rows a block:
-// inv_rms[row] = rsqrt(mean(row²) + eps). The body of both reduction kernels (two_stream's
-// side-stream one and epilogue_scale's, which releases the dependent GEMM first).
-constexpr int kInvRmsRowsPerBlock = 8;
+// This thread's share of (Σ(v − shift), Σ(v − shift)²) over the same elements as row_square_sum's.
+template <typename T>
+__device__ __forceinline__ float2 row_shifted_sums(
+    T const* row, int64_t k, int64_t first, int64_t stride, bool vectorized, float shift)
+{
+    float2 sums = make_float2(0.f, 0.f);
+    if (vectorized)
+    {
+        for (int64_t i = first; i < k / int64_t(16 / sizeof(T)); i += stride)
+        {
+            float2 const part = shifted_sums<T>(__ldg(reinterpret_cast<uint4 const*>(row) + i), shift);
+            sums.x += part.x;
+            sums.y += part.y;
+        }
+    }
+    else
+    {
+        for (int64_t i = first; i < k; i += stride)
+        {
+            float const d = to_float(row[i]) - shift;
+            sums.x += d;
+            sums.y += d * d;
+        }
+    }
+    return sums;
+}
+
+// The deferred norm's reduction, one warp per row, kRowScaleRowsPerBlock rows a block: scales[row] =
+// the row's statistic, rsqrt(mean(row²) + eps) or (`centred`) rsqrt(mean((row − mean)²) + eps). The
+// body of both reduction kernels (two_stream's side-stream one and epilogue_scale's, which releases
+// the dependent GEMM first).
+constexpr int kRowScaleRowsPerBlock = 8;
 
 template <typename T>
-__device__ __forceinline__ void store_row_inv_rms(T const* x, int64_t m, int64_t k, float eps, float* inv_rms)
+__device__ __forceinline__ void store_row_scale(T const* x, int64_t m, int64_t k, float eps, bool centred, float* scales)
 {
     int const lane = threadIdx.x & 31;
-    int64_t const row = int64_t(blockIdx.x) * kInvRmsRowsPerBlock + (threadIdx.x >> 5);
+    int64_t const row = int64_t(blockIdx.x) * kRowScaleRowsPerBlock + (threadIdx.x >> 5);
     bool const vectorized = (k % int64_t(16 / sizeof(T)) == 0) && (reinterpret_cast<uintptr_t>(x) % 16 == 0);
+    if (centred)
+    {
+        // Every lane shifts by the row's first element (one cached load), so the partial sums add.
+        float const shift = row < m ? to_float(x[row * k]) : 0.f;
+        float2 const part = row < m ? row_shifted_sums(x + row * k, k, lane, 32, vectorized, shift) : make_float2(0.f, 0.f);
+        float const shifted = warp_sum(part.x);
+        float const squares = warp_sum(part.y);
+        if (row < m && lane == 0)
+        {
+            scales[row] = centred_scale(shifted, squares, float(k), eps);
+        }
+        return;
+    }
     float const sum = warp_sum(row < m ? row_square_sum(x + row * k, k, lane, 32, vectorized) : 0.f);
     if (row < m && lane == 0)
     {
-        inv_rms[row] = rsqrtf(sum / float(k) + eps);
+        scales[row] = rsqrtf(sum / float(k) + eps);
     }
 }
 
@@ -154,7 +238,8 @@ __device__ __forceinline__ int split_of(OutputSplits const& splits, int64_t col)
     return index;
 }
 
-// Writes one scaled element of row `row`, global column `col` to the output that owns it.
+// Writes one finished element (scaled, the bias added) of row `row`, global column `col` to the output
+// that owns it.
 template <typename T>
 __device__ __forceinline__ void store_split(OutputSplits const& splits, int64_t row, int64_t col, float value)
 {

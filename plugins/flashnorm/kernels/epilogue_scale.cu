@@ -1,6 +1,7 @@
 // The epilogue-scale strategy: one CUTLASS sm90 GEMM (TMA loads, warp-specialized wgmma main loop)
-// that scales each accumulator row by inv_rms[row] and stores every column straight into its
-// split's output. Where the row sums come from depends on the tile:
+// that scales each accumulator row by its statistic (the RMS, or for the variance the sums shifted by
+// the row's first element: device.cuh, centred_scale), adds the bias and stores every column straight
+// into its split's output. Where the row sums come from depends on the tile:
 //
 // - the RowSums tiles (64 rows; where they run: dispatch::epilogue_scale_tiles, dispatch.cpp's
 //   kTiles): the main loop itself sums the squares of
@@ -11,10 +12,10 @@
 //   the sums wait on as the wgmma does.
 // - every other problem: a reduction kernel in front, overlapped with the GEMM's main loop through
 //   programmatic dependent launch (PDL):
-//     reduction kernel: griddepcontrol.launch_dependents at entry, then inv_rms[m] = rsqrt(...)
+//     reduction kernel: griddepcontrol.launch_dependents at entry, then scales[m] = the statistic
 //     GEMM (launched with programmatic stream serialization): main loop over x and W*; the
 //     epilogue executes griddepcontrol.wait, which returns once the reduction grid has completed
-//     and its writes are visible, and only then reads inv_rms.
+//     and its writes are visible, and only then reads the scales.
 //
 // The race-test mutant (FLASHNORM_TESTING_DROP_JOIN) drops the joins: both griddepcontrol.waits,
 // and the main loop's wait before it reads a stage's squares (it reads them before the stage lands).
@@ -61,7 +62,7 @@ constexpr int kAlignmentElements = 8;
 
 // Blocks until the grids this GEMM was launched after (programmatic stream serialization) have
 // completed and their writes are visible (PTX griddepcontrol.wait; returns at once when launched
-// without PDL): the reduction kernel, for the epilogue's read of inv_rms; whatever ran before,
+// without PDL): the reduction kernel, for the epilogue's read of the scales; whatever ran before,
 // for the main loop's first load.
 __device__ __forceinline__ void wait_for_previous_grids()
 {
@@ -96,8 +97,8 @@ constexpr bool same_swizzled_layout(First first, Second second)
         && cute::is_same_v<decltype(coalesce(first.layout_b())), decltype(coalesce(second.layout_b()))>;
 }
 
-// The epilogue visitor (root of the fusion tree): value = acc · inv_rms[row] (or acc, where the
-// main loop has scaled the accumulators: ScalesRows false), staged in the collective's shared-memory
+// The epilogue visitor (root of the fusion tree): value = acc · scales[row] (or acc, where the
+// main loop has scaled the accumulators: ScalesRows false) + bias[column], staged in the collective's shared-memory
 // store buffers and written to its split's output by one TMA tensor store. Each split is its own
 // [M, width] tensor map whose box is the epilogue subtile; splits start at multiples of the
 // subtile's columns, so a subtile lies in one split (a box starting left of a tensor, which a
@@ -128,13 +129,15 @@ struct RowScaleSplitStore
 
     struct Arguments
     {
-        float const* inv_rms = nullptr;
+        float const* scales = nullptr;
+        float const* bias = nullptr; // n values added after the scale, or null
         OutputSplits splits{};
     };
 
     struct Params
     {
-        float const* inv_rms;
+        float const* scales;
+        float const* bias;
         OutputSplits splits;
         SplitStore split_stores[FLASHNORM_MAX_OUTPUTS];
     };
@@ -142,7 +145,7 @@ struct RowScaleSplitStore
     template <class ProblemShape>
     static Params to_underlying_arguments(ProblemShape const& problem_shape, Arguments const& args, void*)
     {
-        Params params{args.inv_rms, args.splits, {}};
+        Params params{args.scales, args.bias, args.splits, {}};
         int32_t const rows = static_cast<int32_t>(get<0>(problem_shape));
         for (int split = 0; split < args.splits.count; ++split)
         {
@@ -160,7 +163,7 @@ struct RowScaleSplitStore
     template <class ProblemShape>
     static bool can_implement(ProblemShape const&, Arguments const& args)
     {
-        if ((ScalesRows && args.inv_rms == nullptr) || args.splits.count < 1)
+        if ((ScalesRows && args.scales == nullptr) || args.splits.count < 1)
         {
             return false;
         }
@@ -219,11 +222,12 @@ struct RowScaleSplitStore
     template <class CoordTensor, class Residue, class TiledCopy>
     struct ConsumerStoreCallbacks : cutlass::epilogue::fusion::detail::EmptyConsumerStoreCallbacks
     {
-        CUTLASS_DEVICE ConsumerStoreCallbacks(CoordTensor relative_, Residue residue_, int rows_, int tile_row_,
-            int tile_col_, TiledCopy tiled_copy_, int thread_idx_, Params const* params_)
+        CUTLASS_DEVICE ConsumerStoreCallbacks(CoordTensor relative_, Residue residue_, int rows_, int columns_,
+            int tile_row_, int tile_col_, TiledCopy tiled_copy_, int thread_idx_, Params const* params_)
             : relative(relative_)
             , residue(residue_)
             , rows(rows_)
+            , columns(columns_)
             , tile_row(tile_row_)
             , tile_col(tile_col_)
             , tiled_copy(tiled_copy_)
@@ -235,6 +239,7 @@ struct RowScaleSplitStore
         CoordTensor relative; // (CPY,CPY_M,CPY_N,EPI_M,EPI_N): coordinates from this thread's first element
         Residue residue;      // (M, N) minus this thread's first element's global coordinate
         int rows;
+        int columns;
         int tile_row; // the CTA tile's first row and column
         int tile_col;
         TiledCopy tiled_copy; // the collective's register-to-shared copy for its own D
@@ -247,19 +252,22 @@ struct RowScaleSplitStore
         int second_row = 0;
         float first_scale = 0.0f;
         float second_scale = 0.0f;
+        // This thread's first element's global column (the bias's index).
+        int first_column = 0;
         // The store buffer reduce() last filled, which tma_store() then writes out.
         Element* staged = nullptr;
 
         CUTLASS_DEVICE void begin()
         {
+            first_column = columns - int(get<1>(residue));
             if constexpr (ScalesRows)
             {
                 first_row = rows - int(get<0>(residue));
                 second_row = first_row + second_row_offset(relative);
                 wait_for_previous_grids();
                 // Through L2 (ld.global.cg), as the reduction grid wrote them.
-                first_scale = first_row < rows ? __ldcg(params->inv_rms + first_row) : 0.0f;
-                second_scale = second_row < rows ? __ldcg(params->inv_rms + second_row) : 0.0f;
+                first_scale = first_row < rows ? __ldcg(params->scales + first_row) : 0.0f;
+                second_scale = second_row < rows ? __ldcg(params->scales + second_row) : 0.0f;
             }
         }
 
@@ -273,32 +281,32 @@ struct RowScaleSplitStore
             {
                 return second_scale;
             }
-            return row < rows ? __ldcg(params->inv_rms + row) : 0.0f;
+            return row < rows ? __ldcg(params->scales + row) : 0.0f;
         }
 
-        // The scaled values; reduce() stages them once the whole subtile has been visited.
+        // The scaled values plus the bias; reduce() stages them once the whole subtile has been visited.
         template <typename ElementAccumulator, int FragmentSize>
         CUTLASS_DEVICE cutlass::Array<float, FragmentSize> visit(
             cutlass::Array<ElementAccumulator, FragmentSize> const& frg_acc, int epi_v, int epi_m, int epi_n)
         {
             cutlass::Array<float, FragmentSize> scaled;
-            if constexpr (ScalesRows)
+            Tensor relative_mn = relative(_, _, _, epi_m, epi_n);
+            CUTLASS_PRAGMA_UNROLL
+            for (int i = 0; i < FragmentSize; ++i)
             {
-                Tensor relative_mn = relative(_, _, _, epi_m, epi_n);
-                CUTLASS_PRAGMA_UNROLL
-                for (int i = 0; i < FragmentSize; ++i)
+                float value = float(frg_acc[i]);
+                if constexpr (ScalesRows)
                 {
                     int const row = first_row + int(get<0>(relative_mn(epi_v * FragmentSize + i)));
-                    scaled[i] = float(frg_acc[i]) * scale_of(row);
+                    value *= scale_of(row);
                 }
-            }
-            else
-            {
-                CUTLASS_PRAGMA_UNROLL
-                for (int i = 0; i < FragmentSize; ++i)
+                if (params->bias != nullptr)
                 {
-                    scaled[i] = float(frg_acc[i]);
+                    // Columns past N are clipped by the TMA store; their bias is never read.
+                    int const column = first_column + int(get<1>(relative_mn(epi_v * FragmentSize + i)));
+                    value += column < columns ? __ldg(params->bias + column) : 0.0f;
                 }
+                scaled[i] = value;
             }
             return scaled;
         }
@@ -369,7 +377,7 @@ struct RowScaleSplitStore
         auto [M, N, K, L] = args.problem_shape_mnkl;
         auto [m, n, k, l] = args.tile_coord_mnkl;
         return ConsumerStoreCallbacks<decltype(args.tCcD), decltype(args.residue_tCcD), decltype(args.tiled_copy)>(
-            args.tCcD, args.residue_tCcD, int(M), int(m) * int(size<0>(args.tile_shape_mnk)),
+            args.tCcD, args.residue_tCcD, int(M), int(N), int(m) * int(size<0>(args.tile_shape_mnk)),
             int(n) * int(size<1>(args.tile_shape_mnk)), args.tiled_copy, args.thread_idx, params);
     }
 };
@@ -524,10 +532,11 @@ struct PartialRowBlockMainloop : Base
     }
 };
 
-// CUTLASS's warp-specialized sm90 main loop for one warp group's 64-row tile, with the RMS
+// CUTLASS's warp-specialized sm90 main loop for one warp group's 64-row tile, with the statistic's
 // reduction in it: each consumer thread also sums the squares of its two accumulator rows of x
-// from every A tile the TMA brings into shared memory, and after the last tile scales its
-// accumulators by those rows' inv_rms, so the epilogue only stores.
+// (for the variance: Σ(x − c) and Σ(x − c)², c the row's first element) from every A tile the TMA
+// brings into shared memory, and after the last tile scales its accumulators by those rows' scales,
+// so the epilogue only adds the bias and stores.
 //
 // A tile's squares are read after its stage's full-barrier wait and before the warp group's
 // wgmma on it is issued, while the previous tile's wgmma still runs. The stage is released (by
@@ -543,8 +552,11 @@ struct PartialRowBlockMainloop : Base
 // without it), and x written by that kernel (the residual add) is complete before the TMA reads it.
 //
 // In an SW128 K-major tile of a 16-bit type each 128-byte line holds 64 consecutive K elements
-// of one row, and the swizzle only permutes a line's 16-byte chunks. The unswizzled offsets of a
-// row's chunks therefore address the same row's chunks in another order, which a sum ignores.
+// of one row, and the swizzle only permutes a line's 16-byte chunks: the chunk in slot s of row r's
+// line is the row's logical chunk s ^ (r mod 8). The unswizzled offsets of a row's chunks therefore
+// address the same row's chunks in another order, which a sum ignores; the variance's sums also
+// need each chunk's K (the TMA zero-fills the K tail, which shifted would count) and the row's first
+// element, both found through that XOR.
 template <class Base>
 struct RowSumMainloop : Base
 {
@@ -570,19 +582,22 @@ struct RowSumMainloop : Base
     struct Arguments : Base::Arguments
     {
         float eps = 0.0f;
+        bool centred = false; // the variance statistic
     };
 
     struct Params : Base::Params
     {
         float eps;
         float inverse_k; // 1/K, formed once on the host
+        int32_t k;
+        bool centred;
     };
 
     template <class ProblemShape>
     static Params to_underlying_arguments(ProblemShape const& problem_shape, Arguments const& args, void* workspace)
     {
         return {Base::to_underlying_arguments(problem_shape, args, workspace), args.eps,
-            1.0f / float(get<2>(problem_shape))};
+            1.0f / float(get<2>(problem_shape)), int32_t(get<2>(problem_shape)), args.centred};
     }
 
     template <class... LoadArguments>
@@ -609,31 +624,66 @@ struct RowSumMainloop : Base
         int const first_row = int(get<0>(coordinates(0)));
         int const rows[2] = {first_row, first_row + second_row_offset(coordinates)};
 
-        // Element offsets of this thread's chunks in stage 0, unswizzled (see above).
+        // Element offsets of this thread's chunks in stage 0, unswizzled (see above), and for the
+        // variance each chunk's logical K within the tile and each row's first element's offset.
         auto const unswizzled = SmemLayoutA{}.layout_b();
         int const quad_lane = thread_idx % 4;
         int chunk_offsets[kChunksPerThread];
+        int chunk_k[kChunksPerThread];
         CUTLASS_PRAGMA_UNROLL
         for (int j = 0; j < kChunksPerThread; ++j)
         {
             int const row = rows[j % 2];
-            int const chunk = quad_lane + 4 * (j / 2);
-            chunk_offsets[j] = int(unswizzled(row, 8 * chunk, 0));
+            int const slot = quad_lane + 4 * (j / 2);
+            chunk_offsets[j] = int(unswizzled(row, 8 * slot, 0));
+            chunk_k[j] = 8 * ((slot & ~7) | ((slot & 7) ^ (row & 7)));
         }
+        int const first_offsets[2] = {int(unswizzled(rows[0], 8 * (rows[0] & 7), 0)),
+            int(unswizzled(rows[1], 8 * (rows[1] & 7), 0))};
         int const stage_elements = int(unswizzled(0, 0, 1));
         ElementA const* const smem_a = shared_tensors.smem_A.data();
+        bool const centred = params.centred;
         float square_sums[2] = {0.0f, 0.0f};
-        auto add_squares = [&](int stage) {
+        float shifted_sums[2] = {0.0f, 0.0f};
+        float shifts[2] = {0.0f, 0.0f};
+        // One stage's sums: Σx², or (centred) the sums shifted by each row's first element, which the
+        // first K tile provides (every thread of a quad reads the same one), over the chunks inside K.
+        auto add_stage = [&](int stage, int k_tile) {
+            if (!centred)
+            {
+                CUTLASS_PRAGMA_UNROLL
+                for (int j = 0; j < kChunksPerThread; ++j)
+                {
+                    uint4 const bits = *reinterpret_cast<uint4 const*>(smem_a + stage * stage_elements + chunk_offsets[j]);
+                    cutlass::Array<ElementA, 8> const& chunk = reinterpret_cast<cutlass::Array<ElementA, 8> const&>(bits);
+                    CUTLASS_PRAGMA_UNROLL
+                    for (int e = 0; e < 8; ++e)
+                    {
+                        float const value = float(chunk[e]);
+                        square_sums[j % 2] += value * value;
+                    }
+                }
+                return;
+            }
+            if (k_tile == 0)
+            {
+                shifts[0] = float(smem_a[stage * stage_elements + first_offsets[0]]);
+                shifts[1] = float(smem_a[stage * stage_elements + first_offsets[1]]);
+            }
             CUTLASS_PRAGMA_UNROLL
             for (int j = 0; j < kChunksPerThread; ++j)
             {
-                uint4 const bits = *reinterpret_cast<uint4 const*>(smem_a + stage * stage_elements + chunk_offsets[j]);
-                cutlass::Array<ElementA, 8> const& chunk = reinterpret_cast<cutlass::Array<ElementA, 8> const&>(bits);
-                CUTLASS_PRAGMA_UNROLL
-                for (int e = 0; e < 8; ++e)
+                if (k_tile * kTileK + chunk_k[j] < params.k)
                 {
-                    float const value = float(chunk[e]);
-                    square_sums[j % 2] += value * value;
+                    uint4 const bits = *reinterpret_cast<uint4 const*>(smem_a + stage * stage_elements + chunk_offsets[j]);
+                    cutlass::Array<ElementA, 8> const& chunk = reinterpret_cast<cutlass::Array<ElementA, 8> const&>(bits);
+                    CUTLASS_PRAGMA_UNROLL
+                    for (int e = 0; e < 8; ++e)
+                    {
+                        float const d = float(chunk[e]) - shifts[j % 2];
+                        shifted_sums[j % 2] += d;
+                        square_sums[j % 2] += d * d;
+                    }
                 }
             }
         };
@@ -646,11 +696,11 @@ struct RowSumMainloop : Base
         {
             int const stage = smem_pipe_read.index();
 #ifdef FLASHNORM_TESTING_DROP_JOIN
-            add_squares(stage);
+            add_stage(stage, k_tile);
 #endif
             pipeline.consumer_wait(smem_pipe_read, pipeline.consumer_try_wait(smem_pipe_read));
 #ifndef FLASHNORM_TESTING_DROP_JOIN
-            add_squares(stage);
+            add_stage(stage, k_tile);
 #endif
             warpgroup_fence_operand(accum);
             warpgroup_arrive();
@@ -675,19 +725,24 @@ struct RowSumMainloop : Base
         warpgroup_wait<0>();
         warpgroup_fence_operand(accum);
 
-        float inv_rms[2];
+        float scales[2];
         CUTLASS_PRAGMA_UNROLL
         for (int r = 0; r < 2; ++r)
         {
             float sum = square_sums[r];
             sum += __shfl_xor_sync(0xffffffffu, sum, 1);
             sum += __shfl_xor_sync(0xffffffffu, sum, 2);
-            inv_rms[r] = rsqrtf(sum * params.inverse_k + params.eps);
+            float shifted = shifted_sums[r];
+            shifted += __shfl_xor_sync(0xffffffffu, shifted, 1);
+            shifted += __shfl_xor_sync(0xffffffffu, shifted, 2);
+            float const mean = shifted * params.inverse_k; // of x − c (0 for the RMS)
+            scales[r] = centred ? rsqrtf(fmaxf(sum * params.inverse_k - mean * mean, 0.0f) + params.eps)
+                                : rsqrtf(sum * params.inverse_k + params.eps);
         }
         CUTLASS_PRAGMA_UNROLL
         for (int i = 0; i < size(accum); ++i)
         {
-            accum(i) *= int(get<0>(coordinates(i))) == first_row ? inv_rms[0] : inv_rms[1];
+            accum(i) *= int(get<0>(coordinates(i))) == first_row ? scales[0] : scales[1];
         }
         warpgroup_fence_operand(accum);
     }
@@ -758,11 +813,11 @@ template <class Element>
 using WideTileGemm = ScaledGemm<Element, Shape<_128, _256, _64>, Cooperative, CooperativeEpilogue, 2>;
 template <class Element>
 using PairedTileGemm = ScaledGemm<Element, Shape<_128, _96, _64>, Cooperative, CooperativeEpilogue, 2>;
-// inv_rms[m] = rsqrt(mean(x[m,:]²) + eps). Lets the GEMM launched after it (PDL) start at once;
+// scales[m] = the statistic of row m. Lets the GEMM launched after it (PDL) start at once;
 // `delay_cycles` (test hook) holds the writes back after that.
 template <typename T>
-__global__ void __launch_bounds__(kInvRmsRowsPerBlock * 32) inv_rms_releasing_kernel(
-    T const* __restrict__ x, int64_t m, int64_t k, float eps, float* __restrict__ inv_rms, int64_t delay_cycles)
+__global__ void __launch_bounds__(kRowScaleRowsPerBlock * 32) row_scale_releasing_kernel(T const* __restrict__ x,
+    int64_t m, int64_t k, float eps, bool centred, float* __restrict__ scales, int64_t delay_cycles)
 {
     asm volatile("griddepcontrol.launch_dependents;");
     if (delay_cycles > 0)
@@ -772,7 +827,7 @@ __global__ void __launch_bounds__(kInvRmsRowsPerBlock * 32) inv_rms_releasing_ke
         {
         }
     }
-    store_row_inv_rms(x, m, k, eps, inv_rms);
+    store_row_scale(x, m, k, eps, centred, scales);
 }
 
 template <class Gemm>
@@ -806,13 +861,14 @@ cudaError_t configure_gemms()
 // Launches the GEMM, with programmatic stream serialization, and in front of it the reduction
 // kernel where the GEMM's main loop does not sum the rows itself.
 template <class Gemm, typename T, class Element>
-cudaError_t launch_gemm(T const* x, Element const* w, int64_t m, int64_t k, int64_t n, float eps,
-    float* inv_rms, OutputSplits const& splits, int sm_count, int64_t delay_cycles, cudaStream_t stream)
+cudaError_t launch_gemm(T const* x, Element const* w, int64_t m, int64_t k, int64_t n, RowNorm const& norm,
+    float* scales, OutputSplits const& splits, int sm_count, int64_t delay_cycles, cudaStream_t stream)
 {
     if constexpr (!Gemm::kSumsInMainLoop)
     {
-        dim3 const grid(static_cast<unsigned>((m + kInvRmsRowsPerBlock - 1) / kInvRmsRowsPerBlock));
-        inv_rms_releasing_kernel<T><<<grid, kInvRmsRowsPerBlock * 32, 0, stream>>>(x, m, k, eps, inv_rms, delay_cycles);
+        dim3 const grid(static_cast<unsigned>((m + kRowScaleRowsPerBlock - 1) / kRowScaleRowsPerBlock));
+        row_scale_releasing_kernel<T><<<grid, kRowScaleRowsPerBlock * 32, 0, stream>>>(
+            x, m, k, norm.eps, norm.centred, scales, delay_cycles);
         cudaError_t const status = cudaGetLastError();
         if (status != cudaSuccess)
         {
@@ -835,17 +891,18 @@ cudaError_t launch_gemm(T const* x, Element const* w, int64_t m, int64_t k, int6
     StrideB stride_w{};
     get<1>(stride_w) = n;
     get<2>(stride_w) = n * k;
-    // The built collective's arguments; RowSumMainloop's add eps.
+    // The built collective's arguments; RowSumMainloop's add eps and the statistic.
     typename Kernel::MainloopArguments mainloop{};
     static_cast<typename Gemm::BuiltMainloop::Arguments&>(mainloop)
         = {reinterpret_cast<typename Kernel::ElementA const*>(x), stride_x,
             reinterpret_cast<typename Kernel::ElementB const*>(w), stride_w};
     if constexpr (Gemm::kSumsInMainLoop)
     {
-        mainloop.eps = eps;
+        mainloop.eps = norm.eps;
+        mainloop.centred = norm.centred;
     }
     typename Kernel::Arguments arguments{cutlass::gemm::GemmUniversalMode::kGemm, {M, N, K, 1}, mainloop,
-        {{Gemm::kSumsInMainLoop ? nullptr : inv_rms, splits}, nullptr, {}, nullptr, {}}, hardware};
+        {{Gemm::kSumsInMainLoop ? nullptr : scales, norm.bias, splits}, nullptr, {}, nullptr, {}}, hardware};
     if (Kernel::can_implement(arguments) == false)
     {
         return cudaErrorInvalidValue;
@@ -874,8 +931,8 @@ template <EpilogueScaleTiles Tiles>
 using Configuration = std::integral_constant<EpilogueScaleTiles, Tiles>;
 
 template <typename T, class Element>
-cudaError_t launch_typed(void const* input, void const* weight, int64_t m, int64_t k, int64_t n, float eps,
-    OutputSplits const& splits, float* inv_rms, int sm_count, int64_t delay_cycles, EpilogueScaleTiles tiles,
+cudaError_t launch_typed(void const* input, void const* weight, int64_t m, int64_t k, int64_t n, RowNorm const& norm,
+    OutputSplits const& splits, float* scales, int sm_count, int64_t delay_cycles, EpilogueScaleTiles tiles,
     cudaStream_t stream)
 {
     auto const* x = static_cast<T const*>(input);
@@ -888,7 +945,7 @@ cudaError_t launch_typed(void const* input, void const* weight, int64_t m, int64
         static_assert(Gemm::kTileRows == tile.rows && Gemm::kTileColumns == tile.columns
                 && Gemm::kSumsInMainLoop == tile.row_sums,
             "the GEMM's tile is not the one dispatch/dispatch.h gives its configuration");
-        return launch_gemm<Gemm>(x, w, m, k, n, eps, inv_rms, splits, sm_count, delay_cycles, stream);
+        return launch_gemm<Gemm>(x, w, m, k, n, norm, scales, splits, sm_count, delay_cycles, stream);
     };
     using Tiles = EpilogueScaleTiles;
     switch (tiles)
@@ -933,7 +990,7 @@ cudaError_t configure_epilogue_scale_kernels()
 }
 
 cudaError_t launch_epilogue_scale(flashnorm_dtype dtype, void const* x, void const* w, int64_t m, int64_t k,
-    int64_t n, float eps, OutputSplits const& splits, float* inv_rms, int sm_count, int64_t delay_cycles,
+    int64_t n, RowNorm const& norm, OutputSplits const& splits, float* scales, int sm_count, int64_t delay_cycles,
     std::optional<EpilogueScaleTiles> forced_tiles, cudaStream_t stream)
 {
     EpilogueScaleTiles const tiles = forced_tiles ? *forced_tiles : epilogue_scale_tiles(m, k, n, sm_count);
@@ -941,10 +998,10 @@ cudaError_t launch_epilogue_scale(flashnorm_dtype dtype, void const* x, void con
     {
     case FLASHNORM_DTYPE_BF16:
         return launch_typed<__nv_bfloat16, cutlass::bfloat16_t>(
-            x, w, m, k, n, eps, splits, inv_rms, sm_count, delay_cycles, tiles, stream);
+            x, w, m, k, n, norm, splits, scales, sm_count, delay_cycles, tiles, stream);
     case FLASHNORM_DTYPE_F16:
         return launch_typed<__half, cutlass::half_t>(
-            x, w, m, k, n, eps, splits, inv_rms, sm_count, delay_cycles, tiles, stream);
+            x, w, m, k, n, norm, splits, scales, sm_count, delay_cycles, tiles, stream);
     case FLASHNORM_DTYPE_F32: break;
     }
     return cudaErrorInvalidValue;
@@ -967,8 +1024,8 @@ cudaError_t configure_epilogue_scale_kernels()
     return cudaSuccess;
 }
 
-cudaError_t launch_epilogue_scale(flashnorm_dtype, void const*, void const*, int64_t, int64_t, int64_t, float,
-    OutputSplits const&, float*, int, int64_t, std::optional<EpilogueScaleTiles>, cudaStream_t)
+cudaError_t launch_epilogue_scale(flashnorm_dtype, void const*, void const*, int64_t, int64_t, int64_t,
+    RowNorm const&, OutputSplits const&, float*, int, int64_t, std::optional<EpilogueScaleTiles>, cudaStream_t)
 {
     return cudaErrorNotSupported;
 }

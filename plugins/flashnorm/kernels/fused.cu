@@ -1,6 +1,7 @@
 // The fused strategy: one kernel per call, no side stream, no event, no workspace. Every block
-// recomputes sum(x²) of its rows from the x it reads anyway and applies rsqrt(mean + eps) in its
-// epilogue.
+// recomputes its rows' sums from the x it reads anyway (Σx², or for the variance Σ(x − c) and
+// Σ(x − c)² shifted by each row's first element c, which add across lanes, warps and blocks like
+// the squares) and applies the row scale and the bias in its epilogue.
 //
 // Two kernels:
 //  * fused_mma_kernel (fp16/bf16, N % 8 == 0, K even): tensor cores (mma.sync m16n8k16, fp32
@@ -177,11 +178,13 @@ __device__ __forceinline__ float square_sum_pair(uint32_t pair)
 // and its x fragments through a Layout::kStages-deep cp.async ring: the copies hold no registers,
 // so kStages - 1 steps stay in flight while one is computed. TokenGroups (1 or 2) B operands of
 // 8 tokens cover up to 16 rows of x. With Layout::kResidual the input is x + residual, which the
-// first strip's blocks store to `sum` (both [m, k]; ignored otherwise).
-template <typename T, int TokenGroups, typename Layout>
+// first strip's blocks store to `sum` (both [m, k]; ignored otherwise). Centred: the variance
+// statistic (the sums shifted by each row's first element); `bias`: n values added after the scale,
+// or null.
+template <typename T, int TokenGroups, typename Layout, bool Centred>
 __global__ void __launch_bounds__(kMmaThreads, Layout::kBlocksPerSm)
     fused_mma_kernel(T const* __restrict__ x, T const* __restrict__ residual, T* __restrict__ sum, T const* __restrict__ w,
-        int64_t m, int64_t k, int64_t n, float eps, OutputSplits splits)
+        int64_t m, int64_t k, int64_t n, float eps, float const* __restrict__ bias, OutputSplits splits)
 {
     constexpr int kPassRows = kTokenGroupRows * TokenGroups;
     constexpr int kStripCols = Layout::kStripCols;
@@ -192,6 +195,9 @@ __global__ void __launch_bounds__(kMmaThreads, Layout::kBlocksPerSm)
     extern __shared__ __align__(128) unsigned char shared[];
     __shared__ float partial_ssq[kMmaWarps][kPassRows];
     __shared__ __align__(8) float block_ssq[kPassRows]; // read by the cluster as float2 pairs of rows
+    // Centred: the shifted sums beside the squares (one unused element otherwise).
+    __shared__ float partial_shifted[kMmaWarps][Centred ? kPassRows : 1];
+    __shared__ __align__(8) float block_shifted[Centred ? kPassRows : 2];
 
     namespace cg = cooperative_groups;
     cg::cluster_group const cluster = cg::this_cluster();
@@ -222,6 +228,25 @@ __global__ void __launch_bounds__(kMmaThreads, Layout::kBlocksPerSm)
     }
     // Every strip reads all of x; the first one alone writes the sum, each element once.
     bool const writes_sum = Layout::kResidual && blockIdx.x < unsigned(ranks);
+    // Centred: each token's sums are shifted by its first input element (x + residual where the add
+    // is here), the same value in every lane, warp and block, so their partial sums add.
+    float shift[TokenGroups] = {};
+    if constexpr (Centred)
+    {
+#pragma unroll
+        for (int g = 0; g < TokenGroups; ++g)
+        {
+            if (x_ok[g])
+            {
+                T first_value = x_rows[g][0];
+                if constexpr (Layout::kResidual)
+                {
+                    first_value = added<T>(first_value, residual[row_offsets[g]]);
+                }
+                shift[g] = to_float(first_value);
+            }
+        }
+    }
 
     int64_t const steps = (k + kStepRows - 1) / kStepRows;
     int64_t const first = int64_t(rank) * kMmaWarps + warp;
@@ -257,6 +282,7 @@ __global__ void __launch_bounds__(kMmaThreads, Layout::kBlocksPerSm)
 
     float acc[kStripTiles][TokenGroups][4] = {};
     float ssq[TokenGroups] = {};
+    float shifted[TokenGroups] = {};
     // ldmatrix: lanes 8i..8i+7 address the rows of matrix i = (k rows 0-7 | 8-15) × (columns 0-7 | 8-15).
     int const matrix_row = (lane >> 4) * 8 + (lane & 7);
     int const matrix_chunk = (lane >> 3) & 1;
@@ -277,6 +303,7 @@ __global__ void __launch_bounds__(kMmaThreads, Layout::kBlocksPerSm)
         copy_async_wait<kStages - 1>(); // this lane's copies of this step have landed
         __syncwarp();                   // ... and the other lanes' too, visible to this lane
         Stage const& stage = stages[index % kStages];
+        int64_t const step_k0 = (first + index * warp_stride) * kStepRows;
         uint32_t b[TokenGroups][2];
 #pragma unroll
         for (int g = 0; g < TokenGroups; ++g)
@@ -289,7 +316,7 @@ __global__ void __launch_bounds__(kMmaThreads, Layout::kBlocksPerSm)
                 {
                     // Out-of-range pairs were zero-filled in both sources: their sum stays zero.
                     b[g][half] = added<T>(b[g][half], stage.x[1][g][half][lane]);
-                    int64_t const pair = (first + index * warp_stride) * kStepRows + 8 * half + 2 * quad;
+                    int64_t const pair = step_k0 + 8 * half + 2 * quad;
                     if (writes_sum && x_ok[g] && pair < k)
                     {
                         *reinterpret_cast<uint32_t*>(sum + row_offsets[g] + pair) = b[g][half];
@@ -297,7 +324,26 @@ __global__ void __launch_bounds__(kMmaThreads, Layout::kBlocksPerSm)
                 }
             }
             // Each element of x's 16×8 B tile sits in exactly one lane: the norm is free here.
-            ssq[g] += square_sum_pair<T>(b[g][0]) + square_sum_pair<T>(b[g][1]);
+            if constexpr (Centred)
+            {
+                // Pairs past K were zero-filled: shifted, they would count, so they are skipped.
+#pragma unroll
+                for (int half = 0; half < 2; ++half)
+                {
+                    if (step_k0 + 8 * half + 2 * quad < k)
+                    {
+                        T const* values = reinterpret_cast<T const*>(&b[g][half]);
+                        float const d0 = to_float(values[0]) - shift[g];
+                        float const d1 = to_float(values[1]) - shift[g];
+                        shifted[g] += d0 + d1;
+                        ssq[g] += d0 * d0 + d1 * d1;
+                    }
+                }
+            }
+            else
+            {
+                ssq[g] += square_sum_pair<T>(b[g][0]) + square_sum_pair<T>(b[g][1]);
+            }
         }
 #pragma unroll
         for (int tile = 0; tile < kStripTiles; ++tile)
@@ -337,6 +383,13 @@ __global__ void __launch_bounds__(kMmaThreads, Layout::kBlocksPerSm)
         ssq[g] += __shfl_xor_sync(0xffffffffu, ssq[g], 2);
         if (quad == 0)
             partial_ssq[warp][g * kTokenGroupRows + group] = ssq[g];
+        if constexpr (Centred)
+        {
+            shifted[g] += __shfl_xor_sync(0xffffffffu, shifted[g], 1);
+            shifted[g] += __shfl_xor_sync(0xffffffffu, shifted[g], 2);
+            if (quad == 0)
+                partial_shifted[warp][g * kTokenGroupRows + group] = shifted[g];
+        }
     }
     __syncthreads();
 
@@ -369,6 +422,16 @@ __global__ void __launch_bounds__(kMmaThreads, Layout::kBlocksPerSm)
             sum += partial_ssq[v][threadIdx.x];
         }
         block_ssq[threadIdx.x] = sum;
+        if constexpr (Centred)
+        {
+            float shifted_sum = 0.f;
+#pragma unroll
+            for (int v = 0; v < kMmaWarps; ++v)
+            {
+                shifted_sum += partial_shifted[v][threadIdx.x];
+            }
+            block_shifted[threadIdx.x] = shifted_sum;
+        }
     }
     cluster.sync(); // every block's sums are written and visible to the cluster
 
@@ -381,6 +444,7 @@ __global__ void __launch_bounds__(kMmaThreads, Layout::kBlocksPerSm)
             continue;
         float4 parts[kMaxCluster];
         float2 squares[kMaxCluster];
+        float2 shifted_parts[Centred ? kMaxCluster : 1];
 #pragma unroll
         for (int q = 0; q < kMaxCluster; ++q)
         {
@@ -388,10 +452,19 @@ __global__ void __launch_bounds__(kMmaThreads, Layout::kBlocksPerSm)
             {
                 parts[q] = cluster.map_shared_rank(block_values, q)[e];
                 squares[q] = *reinterpret_cast<float2 const*>(cluster.map_shared_rank(block_ssq + token, q));
+                if constexpr (Centred)
+                {
+                    shifted_parts[q] = *reinterpret_cast<float2 const*>(cluster.map_shared_rank(block_shifted + token, q));
+                }
             }
         }
+        int64_t const column = col0 + (e / (TokenGroups * 32)) * 16 + ((e % 32) >> 2);
+        // The bias of this fragment's two columns (zeros without one), read while the sums land.
+        float const bias0 = bias != nullptr && column < n ? __ldg(bias + column) : 0.f;
+        float const bias8 = bias != nullptr && column + 8 < n ? __ldg(bias + column + 8) : 0.f;
         float4 sum = make_float4(0.f, 0.f, 0.f, 0.f);
         float2 square = make_float2(0.f, 0.f);
+        float2 shifted_sum = make_float2(0.f, 0.f);
 #pragma unroll
         for (int q = 0; q < kMaxCluster; ++q)
         {
@@ -399,24 +472,37 @@ __global__ void __launch_bounds__(kMmaThreads, Layout::kBlocksPerSm)
             {
                 sum = make_float4(sum.x + parts[q].x, sum.y + parts[q].y, sum.z + parts[q].z, sum.w + parts[q].w);
                 square = make_float2(square.x + squares[q].x, square.y + squares[q].y);
+                if constexpr (Centred)
+                {
+                    shifted_sum = make_float2(shifted_sum.x + shifted_parts[q].x, shifted_sum.y + shifted_parts[q].y);
+                }
             }
         }
-        float const scale0 = rsqrtf(square.x / float(k) + eps);
-        float const scale1 = rsqrtf(square.y / float(k) + eps);
-        int64_t const column = col0 + (e / (TokenGroups * 32)) * 16 + ((e % 32) >> 2);
+        float scale0;
+        float scale1;
+        if constexpr (Centred)
+        {
+            scale0 = centred_scale(shifted_sum.x, square.x, float(k), eps);
+            scale1 = centred_scale(shifted_sum.y, square.y, float(k), eps);
+        }
+        else
+        {
+            scale0 = rsqrtf(square.x / float(k) + eps);
+            scale1 = rsqrtf(square.y / float(k) + eps);
+        }
         int64_t const row = row0 + token;
         bool const second_row = token + 1 < valid_rows;
         if (column < n)
         {
-            store_split<T>(splits, row, column, sum.x * scale0);
+            store_split<T>(splits, row, column, sum.x * scale0 + bias0);
             if (second_row)
-                store_split<T>(splits, row + 1, column, sum.y * scale1);
+                store_split<T>(splits, row + 1, column, sum.y * scale1 + bias0);
         }
         if (column + 8 < n)
         {
-            store_split<T>(splits, row, column + 8, sum.z * scale0);
+            store_split<T>(splits, row, column + 8, sum.z * scale0 + bias8);
             if (second_row)
-                store_split<T>(splits, row + 1, column + 8, sum.w * scale1);
+                store_split<T>(splits, row + 1, column + 8, sum.w * scale1 + bias8);
         }
     }
     // No block may leave (and free its shared memory) while another still reads it. Those reads
@@ -436,14 +522,18 @@ constexpr int kGenericUnroll = 4;
 
 // MR: rows of x per pass (1, 2, 4, 8 or 16). Warp v handles rows v, v+8, ... of each K chunk.
 // A non-null `residual`: the input is x + residual, which the first column block stores to `sum`.
+// `centred`: the variance statistic, from sums shifted by each row's first input element; `bias`:
+// n values added after the scale, or null.
 template <typename T, int MR>
 __global__ void __launch_bounds__(kThreads)
     fused_generic_kernel(T const* __restrict__ x, T const* __restrict__ residual, T* __restrict__ sum,
-        T const* __restrict__ w, int64_t m, int64_t k, int64_t n, float eps, OutputSplits splits)
+        T const* __restrict__ w, int64_t m, int64_t k, int64_t n, float eps, bool centred,
+        float const* __restrict__ bias, OutputSplits splits)
 {
     __shared__ __align__(16) float x_chunk[kGenericChunk][MR];
     __shared__ float partial[kWarps][MR][kGenericCols];
     __shared__ float partial_ssq[kWarps][MR];
+    __shared__ float partial_shifted[kWarps][MR];
 
     int const lane = threadIdx.x & 31;
     int const warp = threadIdx.x >> 5;
@@ -454,6 +544,20 @@ __global__ void __launch_bounds__(kThreads)
 
     float acc[MR] = {};
     float ssq[MR] = {};
+    float shifted[MR] = {};
+    float shift[MR] = {};
+    if (centred)
+    {
+#pragma unroll
+        for (int r = 0; r < MR; ++r)
+        {
+            if (r < rows)
+            {
+                int64_t const at = (row0 + r) * k;
+                shift[r] = to_float(residual != nullptr ? added<T>(x[at], residual[at]) : x[at]);
+            }
+        }
+    }
     for (int64_t k0 = 0; k0 < k; k0 += kGenericChunk)
     {
         __syncthreads(); // the previous chunk is consumed
@@ -475,7 +579,16 @@ __global__ void __launch_bounds__(kThreads)
                 v = to_float(value);
             }
             x_chunk[threadIdx.x][r] = v;
-            ssq[r] += v * v;
+            if (!centred)
+            {
+                ssq[r] += v * v;
+            }
+            else if (r < rows && kk < k)
+            {
+                float const d = v - shift[r];
+                shifted[r] += d;
+                ssq[r] += d * d;
+            }
         }
         __syncthreads();
         int const chunk = static_cast<int>(k - k0 < kGenericChunk ? k - k0 : kGenericChunk);
@@ -508,9 +621,11 @@ __global__ void __launch_bounds__(kThreads)
     for (int r = 0; r < MR; ++r)
     {
         float const s = warp_sum(ssq[r]);
+        float const d = warp_sum(shifted[r]);
         if (lane == 0)
         {
             partial_ssq[warp][r] = s;
+            partial_shifted[warp][r] = d;
         }
         partial[warp][r][lane] = acc[r];
     }
@@ -524,13 +639,17 @@ __global__ void __launch_bounds__(kThreads)
         {
             float sum = 0.f;
             float total_ssq = 0.f;
+            float total_shifted = 0.f;
 #pragma unroll
             for (int v = 0; v < kWarps; ++v)
             {
                 sum += partial[v][r][c];
                 total_ssq += partial_ssq[v][r];
+                total_shifted += partial_shifted[v][r];
             }
-            store_split<T>(splits, row0 + r, out_col, sum * rsqrtf(total_ssq / float(k) + eps));
+            float const scale = centred ? centred_scale(total_shifted, total_ssq, float(k), eps)
+                                        : rsqrtf(total_ssq / float(k) + eps);
+            store_split<T>(splits, row0 + r, out_col, sum * scale + (bias != nullptr ? bias[out_col] : 0.f));
         }
     }
 }
@@ -605,9 +724,9 @@ struct TypedResidual
     }
 };
 
-template <typename T, int TokenGroups, typename Layout>
+template <typename T, int TokenGroups, typename Layout, bool Centred>
 cudaError_t launch_mma(T const* x, TypedResidual<T> const& add, T const* w, int64_t m, int64_t k, int64_t n,
-    float eps, OutputSplits const& splits, int64_t strips, int cluster_size, cudaStream_t stream)
+    RowNorm const& norm, OutputSplits const& splits, int64_t strips, int cluster_size, cudaStream_t stream)
 {
     int64_t const pass_rows = kTokenGroupRows * TokenGroups;
     return launch_row_windows(m, pass_rows, [&](int64_t row0, int64_t rows, unsigned blocks_y) {
@@ -624,28 +743,40 @@ cudaError_t launch_mma(T const* x, TypedResidual<T> const& add, T const* w, int6
         config.attrs = &cluster;
         config.numAttrs = 1;
         // launch_row_windows reads the launch's error through cudaGetLastError.
-        static_cast<void>(cudaLaunchKernelEx(&config, fused_mma_kernel<T, TokenGroups, Layout>, x + row0 * k,
-            add.residual_from(row0, k), add.sum_from(row0, k), w, rows, k, n, eps, shifted<T>(splits, row0)));
+        static_cast<void>(cudaLaunchKernelEx(&config, fused_mma_kernel<T, TokenGroups, Layout, Centred>, x + row0 * k,
+            add.residual_from(row0, k), add.sum_from(row0, k), w, rows, k, n, norm.eps, norm.bias,
+            shifted<T>(splits, row0)));
     });
 }
 
-template <typename T, typename Layout>
+template <typename T, typename Layout, bool Centred>
 cudaError_t launch_mma_rows(T const* x, TypedResidual<T> const& add, T const* w, int64_t m, int64_t k, int64_t n,
-    float eps, OutputSplits const& splits, int64_t strips, int cluster_size, cudaStream_t stream)
+    RowNorm const& norm, OutputSplits const& splits, int64_t strips, int cluster_size, cudaStream_t stream)
 {
     // One B operand (8 tokens) where it covers M: half the mma work and accumulators of two.
     if (m <= kTokenGroupRows)
-        return launch_mma<T, 1, Layout>(x, add, w, m, k, n, eps, splits, strips, cluster_size, stream);
-    return launch_mma<T, 2, Layout>(x, add, w, m, k, n, eps, splits, strips, cluster_size, stream);
+        return launch_mma<T, 1, Layout, Centred>(x, add, w, m, k, n, norm, splits, strips, cluster_size, stream);
+    return launch_mma<T, 2, Layout, Centred>(x, add, w, m, k, n, norm, splits, strips, cluster_size, stream);
+}
+
+template <typename T, typename Layout, typename ResidualLayout, bool Centred>
+cudaError_t launch_mma_statistic(T const* x, TypedResidual<T> const& add, T const* w, int64_t m, int64_t k,
+    int64_t n, RowNorm const& norm, OutputSplits const& splits, int64_t strips, int cluster_size, cudaStream_t stream)
+{
+    if (add.present())
+        return launch_mma_rows<T, ResidualLayout, Centred>(x, add, w, m, k, n, norm, splits, strips, cluster_size, stream);
+    return launch_mma_rows<T, Layout, Centred>(x, add, w, m, k, n, norm, splits, strips, cluster_size, stream);
 }
 
 template <typename T, typename Layout, typename ResidualLayout>
 cudaError_t launch_mma_layout(T const* x, TypedResidual<T> const& add, T const* w, int64_t m, int64_t k, int64_t n,
-    float eps, OutputSplits const& splits, int64_t strips, int cluster_size, cudaStream_t stream)
+    RowNorm const& norm, OutputSplits const& splits, int64_t strips, int cluster_size, cudaStream_t stream)
 {
-    if (add.present())
-        return launch_mma_rows<T, ResidualLayout>(x, add, w, m, k, n, eps, splits, strips, cluster_size, stream);
-    return launch_mma_rows<T, Layout>(x, add, w, m, k, n, eps, splits, strips, cluster_size, stream);
+    if (norm.centred)
+        return launch_mma_statistic<T, Layout, ResidualLayout, true>(
+            x, add, w, m, k, n, norm, splits, strips, cluster_size, stream);
+    return launch_mma_statistic<T, Layout, ResidualLayout, false>(
+        x, add, w, m, k, n, norm, splits, strips, cluster_size, stream);
 }
 
 // Columns per strip. Measured on an H200 (bf16, W* from HBM, M = 1/4/16, forced widths 16/32/128;
@@ -679,49 +810,50 @@ int pick_cluster_size(int64_t strips, int sm_count)
 
 template <typename T, int MR>
 cudaError_t launch_generic(T const* x, TypedResidual<T> const& add, T const* w, int64_t m, int64_t k, int64_t n,
-    float eps, OutputSplits const& splits, cudaStream_t stream)
+    RowNorm const& norm, OutputSplits const& splits, cudaStream_t stream)
 {
     unsigned const blocks_x = static_cast<unsigned>((n + kGenericCols - 1) / kGenericCols);
     return launch_row_windows(m, MR, [&](int64_t row0, int64_t rows, unsigned blocks_y) {
         fused_generic_kernel<T, MR><<<dim3(blocks_x, blocks_y), kThreads, 0, stream>>>(x + row0 * k,
-            add.residual_from(row0, k), add.sum_from(row0, k), w, rows, k, n, eps, shifted<T>(splits, row0));
+            add.residual_from(row0, k), add.sum_from(row0, k), w, rows, k, n, norm.eps, norm.centred, norm.bias,
+            shifted<T>(splits, row0));
     });
 }
 
 template <typename T>
 cudaError_t launch_generic_rows(T const* x, TypedResidual<T> const& add, T const* w, int64_t m, int64_t k,
-    int64_t n, float eps, OutputSplits const& splits, cudaStream_t stream)
+    int64_t n, RowNorm const& norm, OutputSplits const& splits, cudaStream_t stream)
 {
     // The fewest rows per pass that cover M (up to 16): no accumulators wasted on absent rows.
     if (m <= 1)
-        return launch_generic<T, 1>(x, add, w, m, k, n, eps, splits, stream);
+        return launch_generic<T, 1>(x, add, w, m, k, n, norm, splits, stream);
     if (m <= 2)
-        return launch_generic<T, 2>(x, add, w, m, k, n, eps, splits, stream);
+        return launch_generic<T, 2>(x, add, w, m, k, n, norm, splits, stream);
     if (m <= 4)
-        return launch_generic<T, 4>(x, add, w, m, k, n, eps, splits, stream);
+        return launch_generic<T, 4>(x, add, w, m, k, n, norm, splits, stream);
     if (m <= 8)
-        return launch_generic<T, 8>(x, add, w, m, k, n, eps, splits, stream);
-    return launch_generic<T, 16>(x, add, w, m, k, n, eps, splits, stream);
+        return launch_generic<T, 8>(x, add, w, m, k, n, norm, splits, stream);
+    return launch_generic<T, 16>(x, add, w, m, k, n, norm, splits, stream);
 }
 
 template <typename T>
 cudaError_t launch_fused_16bit(T const* x, TypedResidual<T> const& add, T const* w, int64_t m, int64_t k, int64_t n,
-    float eps, OutputSplits const& splits, int sm_count, FusedTuning const& tuning, cudaStream_t stream)
+    RowNorm const& norm, OutputSplits const& splits, int sm_count, FusedTuning const& tuning, cudaStream_t stream)
 {
     bool const residual_aligned = !add.present()
         || (reinterpret_cast<uintptr_t>(add.residual) % 4 == 0 && reinterpret_cast<uintptr_t>(add.sum) % 4 == 0);
     if (!fused_tensor_core_shape(k, n) || reinterpret_cast<uintptr_t>(w) % 16 != 0
         || reinterpret_cast<uintptr_t>(x) % 4 != 0 || !residual_aligned)
     {
-        return launch_generic_rows<T>(x, add, w, m, k, n, eps, splits, stream);
+        return launch_generic_rows<T>(x, add, w, m, k, n, norm, splits, stream);
     }
     int const strip_cols = tuning.strip_cols > 0 ? tuning.strip_cols : pick_strip_cols(k, n);
     int64_t const strips = (n + strip_cols - 1) / strip_cols;
     int const size = tuning.cluster_size > 0 ? tuning.cluster_size : pick_cluster_size(strips, sm_count);
     if (strip_cols == NarrowStrip::kStripCols)
         return launch_mma_layout<T, NarrowStrip, NarrowStripResidual>(
-            x, add, w, m, k, n, eps, splits, strips, size, stream);
-    return launch_mma_layout<T, WideStrip, WideStripResidual>(x, add, w, m, k, n, eps, splits, strips, size, stream);
+            x, add, w, m, k, n, norm, splits, strips, size, stream);
+    return launch_mma_layout<T, WideStrip, WideStripResidual>(x, add, w, m, k, n, norm, splits, strips, size, stream);
 }
 
 template <typename T, typename Layout>
@@ -729,9 +861,11 @@ cudaError_t allow_mma_shared_memory()
 {
     // Above 48 KB a kernel's dynamic shared memory must be allowed explicitly, per device.
     int const bytes = static_cast<int>(Layout::kSharedBytes);
-    for (cudaError_t const status :
-        {cudaFuncSetAttribute(fused_mma_kernel<T, 1, Layout>, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes),
-            cudaFuncSetAttribute(fused_mma_kernel<T, 2, Layout>, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes)})
+    constexpr auto kAttribute = cudaFuncAttributeMaxDynamicSharedMemorySize;
+    for (cudaError_t const status : {cudaFuncSetAttribute(fused_mma_kernel<T, 1, Layout, false>, kAttribute, bytes),
+             cudaFuncSetAttribute(fused_mma_kernel<T, 2, Layout, false>, kAttribute, bytes),
+             cudaFuncSetAttribute(fused_mma_kernel<T, 1, Layout, true>, kAttribute, bytes),
+             cudaFuncSetAttribute(fused_mma_kernel<T, 2, Layout, true>, kAttribute, bytes)})
     {
         if (status != cudaSuccess)
         {
@@ -770,20 +904,20 @@ cudaError_t configure_fused_kernels()
 }
 
 cudaError_t launch_fused(flashnorm_dtype dtype, void const* x, ResidualAdd const& add, void const* w, int64_t m,
-    int64_t k, int64_t n, float eps, OutputSplits const& splits, int sm_count, FusedTuning const& tuning,
+    int64_t k, int64_t n, RowNorm const& norm, OutputSplits const& splits, int sm_count, FusedTuning const& tuning,
     cudaStream_t stream)
 {
     switch (dtype)
     {
     case FLASHNORM_DTYPE_F32:
         return launch_generic_rows<float>(static_cast<float const*>(x), TypedResidual<float>(add),
-            static_cast<float const*>(w), m, k, n, eps, splits, stream);
+            static_cast<float const*>(w), m, k, n, norm, splits, stream);
     case FLASHNORM_DTYPE_F16:
         return launch_fused_16bit<__half>(static_cast<__half const*>(x), TypedResidual<__half>(add),
-            static_cast<__half const*>(w), m, k, n, eps, splits, sm_count, tuning, stream);
+            static_cast<__half const*>(w), m, k, n, norm, splits, sm_count, tuning, stream);
     case FLASHNORM_DTYPE_BF16:
         return launch_fused_16bit<__nv_bfloat16>(static_cast<__nv_bfloat16 const*>(x),
-            TypedResidual<__nv_bfloat16>(add), static_cast<__nv_bfloat16 const*>(w), m, k, n, eps, splits, sm_count,
+            TypedResidual<__nv_bfloat16>(add), static_cast<__nv_bfloat16 const*>(w), m, k, n, norm, splits, sm_count,
             tuning, stream);
     }
     return cudaErrorInvalidValue;

@@ -21,6 +21,9 @@ static_assert(static_cast<int>(dispatch::DType::kF32) == FLASHNORM_DTYPE_F32
         && static_cast<int>(dispatch::DType::kBF16) == FLASHNORM_DTYPE_BF16,
     "dispatch::DType mirrors flashnorm_dtype");
 static_assert(dispatch::kMaxOutputs == FLASHNORM_MAX_OUTPUTS, "dispatch::kMaxOutputs mirrors FLASHNORM_MAX_OUTPUTS");
+static_assert(static_cast<int>(dispatch::Statistic::kRms) == FLASHNORM_STATISTIC_RMS
+        && static_cast<int>(dispatch::Statistic::kVariance) == FLASHNORM_STATISTIC_VARIANCE,
+    "dispatch::Statistic mirrors flashnorm_statistic");
 constexpr dispatch::DType dispatch_dtype(flashnorm_dtype dtype)
 {
     return static_cast<dispatch::DType>(dtype);
@@ -44,18 +47,34 @@ struct OutputSplits
     int32_t count;
 };
 
-// inv_rms[m] = rsqrt(mean(x[m, :]²) + eps) in fp32, for the two-stream strategy's side stream.
-cudaError_t launch_inv_rms(
-    flashnorm_dtype dtype, void const* x, int64_t m, int64_t k, float eps, float* inv_rms, cudaStream_t stream);
+// The norm a call applies around its product: the row statistic's eps, which statistic, and the bias
+// added after the row scale (n fp32 values, or none).
+struct RowNorm
+{
+    float eps = 0.f;
+    // The variance (LayerNorm, W* centred): rsqrt(mean((x − mean x)²) + eps); else the RMS,
+    // rsqrt(mean(x²) + eps).
+    bool centred = false;
+    float const* bias = nullptr;
+};
+
+inline RowNorm row_norm(flashnorm_problem const& problem, float const* bias)
+{
+    return RowNorm{problem.eps, problem.statistic == FLASHNORM_STATISTIC_VARIANCE, bias};
+}
+
+// scales[r] = row r's statistic in fp32 (RowNorm::centred), for the two-stream strategy's side stream.
+cudaError_t launch_row_scales(flashnorm_dtype dtype, void const* x, int64_t m, int64_t k, RowNorm const& norm,
+    float* scales, cudaStream_t stream);
 
 // Test hook: one thread spins `cycles` GPU clock cycles on `stream`, holding back the side
 // stream's work after it (a slow reduction or GEMM).
 cudaError_t launch_delay(int64_t cycles, cudaStream_t stream);
 
-// outputs[i][r, c] = product[r, offsets[i] + c] * inv_rms[r]. `product` is the GEMM result
-// [m, n] in `product_dtype` (see product_dtype()).
+// outputs[i][r, c] = product[r, offsets[i] + c] * scales[r] + bias[offsets[i] + c] (bias null: none).
+// `product` is the GEMM result [m, n] in `product_dtype` (see product_dtype()).
 cudaError_t launch_post_scale(flashnorm_dtype dtype, flashnorm_dtype product_dtype, void const* product,
-    float const* inv_rms, int64_t m, int64_t n, OutputSplits const& splits, cudaStream_t stream);
+    float const* scales, float const* bias, int64_t m, int64_t n, OutputSplits const& splits, cudaStream_t stream);
 
 // Device arrays of pointers for cuBLASLt's pointer-array batched GEMMs: the normalize kernel,
 // which runs before the GEMMs that read them, copies the first `count` values to `destination`
@@ -68,10 +87,21 @@ struct PointerTable
 };
 static_assert(sizeof(PointerTable::values) == dispatch::kPointerTableBytes, "the prenorm workspace holds the values");
 
-// normalized[m, :] = x[m, :] * rsqrt(mean(x[m, :]²) + eps): fp32 math, stored in `dtype` (the
-// prenorm strategy's input to its library GEMMs). `normalized` is [m, k] row-major, m >= 1.
+// The bias the prenorm GEMMs add where cuBLASLt takes no fp32 bias beside the outputs' type: the
+// normalize kernel rounds bias[0, n) to the I/O dtype into `rounded` as it runs (null bias: nothing).
+struct RoundedBias
+{
+    float const* bias = nullptr;
+    void* rounded = nullptr;
+    int64_t n = 0;
+};
+
+// normalized[r, :] = x[r, :] * rsqrt(mean(x[r, :]²) + eps), or (norm.centred) (x[r, :] − mean) *
+// rsqrt(mean((x[r, :] − mean)²) + eps): fp32 math, stored in `dtype` (the prenorm strategy's input to
+// its library GEMMs). `normalized` is [m, k] row-major, m >= 1. norm.bias is not read (the GEMMs add
+// it); `bias` is rounded where asked.
 cudaError_t launch_normalize_rows(flashnorm_dtype dtype, void const* x, void* normalized, int64_t m, int64_t k,
-    float eps, PointerTable const& pointers, cudaStream_t stream);
+    RowNorm const& norm, PointerTable const& pointers, RoundedBias const& bias, cudaStream_t stream);
 
 // The type the two-stream GEMM writes its unscaled product in (dispatch::product_dtype says why).
 inline flashnorm_dtype product_dtype(flashnorm_dtype dtype)
@@ -99,10 +129,11 @@ struct ResidualAdd
     void* sum = nullptr;
 };
 
-// The fused decode kernel: one launch computes x·W*, sum(x²) and the scaled, split outputs, with
-// the residual add where `add` has one. `sm_count` (multiprocessors of the device) sizes the grid.
+// The fused decode kernel: one launch computes x·W*, the row sums and the scaled, biased, split
+// outputs, with the residual add where `add` has one. `sm_count` (multiprocessors of the device)
+// sizes the grid.
 cudaError_t launch_fused(flashnorm_dtype dtype, void const* x, ResidualAdd const& add, void const* w, int64_t m,
-    int64_t k, int64_t n, float eps, OutputSplits const& splits, int sm_count, FusedTuning const& tuning,
+    int64_t k, int64_t n, RowNorm const& norm, OutputSplits const& splits, int sm_count, FusedTuning const& tuning,
     cudaStream_t stream);
 
 // sum = x + residual alone (`count` elements): the residual add of the strategies other than fused,
@@ -115,15 +146,16 @@ cudaError_t launch_residual_add(
 cudaError_t configure_fused_kernels();
 
 // The epilogue-scale strategy (kernels/epilogue_scale.cu): one CUTLASS sm90 GEMM that scales each
-// row by rsqrt(mean(x²)+eps) and TMA-stores each split straight into its output (splits starting
-// at multiples of kEpilogueScaleSubtileColumns, 16-byte aligned outputs: the checks below), on the
-// tiles dispatch::epilogue_scale_tiles picks on `sm_count` multiprocessors; the row sums in its own main loop or by a reduction kernel
-// launched in front, which the GEMM (programmatic dependent launch) overlaps and its epilogue waits
-// for (griddepcontrol.wait). fp16/bf16 only. `inv_rms` is m floats of workspace (the reduction
-// kernel's output); `delay_cycles` (test hook) holds the reduction's writes back after the GEMM has
-// been let start; `forced_tiles` (tuning hook) runs those tiles instead of epilogue_scale_tiles'.
+// row by its statistic, adds the bias and TMA-stores each split straight into its output (splits
+// starting at multiples of kEpilogueScaleSubtileColumns, 16-byte aligned outputs: the checks below),
+// on the tiles dispatch::epilogue_scale_tiles picks on `sm_count` multiprocessors; the row sums in its
+// own main loop or by a reduction kernel launched in front, which the GEMM (programmatic dependent
+// launch) overlaps and its epilogue waits for (griddepcontrol.wait). fp16/bf16 only. `scales` is m
+// floats of workspace (the reduction kernel's output); `delay_cycles` (test hook) holds the
+// reduction's writes back after the GEMM has been let start; `forced_tiles` (tuning hook) runs those
+// tiles instead of epilogue_scale_tiles'.
 cudaError_t launch_epilogue_scale(flashnorm_dtype dtype, void const* x, void const* w, int64_t m, int64_t k,
-    int64_t n, float eps, OutputSplits const& splits, float* inv_rms, int sm_count, int64_t delay_cycles,
+    int64_t n, RowNorm const& norm, OutputSplits const& splits, float* scales, int sm_count, int64_t delay_cycles,
     std::optional<EpilogueScaleTiles> forced_tiles, cudaStream_t stream);
 
 // Whether this build has the epilogue-scale GEMM (CUTLASS headers were found at configure time).

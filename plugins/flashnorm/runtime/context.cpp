@@ -54,11 +54,35 @@ void destroy_plan(GemmPlan& plan)
     plan = GemmPlan{};
 }
 
+// The bias epilogue's attributes (key.bias), with `bias` as the pointer the heuristic judges the
+// alignment of. A bias cuBLASLt does not take is UNSUPPORTED, as a shape without an algorithm is.
+flashnorm_status set_bias(flashnorm_context* context, GemmKey const& key, GemmPlan& plan, void const* bias)
+{
+    uint32_t const epilogue = CUBLASLT_EPILOGUE_BIAS;
+    int32_t const type = key.bias.type;
+    int64_t const stride = key.n; // a batch's biases are its splits' slices, one width apart
+    bool const set = cublasLtMatmulDescSetAttribute(plan.operation, CUBLASLT_MATMUL_DESC_EPILOGUE, &epilogue,
+                         sizeof(epilogue))
+            == CUBLAS_STATUS_SUCCESS
+        && cublasLtMatmulDescSetAttribute(plan.operation, CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, &type, sizeof(type))
+            == CUBLAS_STATUS_SUCCESS
+        && cublasLtMatmulDescSetAttribute(plan.operation, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias, sizeof(bias))
+            == CUBLAS_STATUS_SUCCESS
+        && (key.batch == 1
+            || cublasLtMatmulDescSetAttribute(
+                   plan.operation, CUBLASLT_MATMUL_DESC_BIAS_BATCH_STRIDE, &stride, sizeof(stride))
+                == CUBLAS_STATUS_SUCCESS);
+    return set ? FLASHNORM_STATUS_OK
+               : record_error(context, FLASHNORM_STATUS_UNSUPPORTED, "cublasLtMatmulDescSetAttribute",
+                   "cuBLASLt takes no bias epilogue of this type here", __FILE__);
+}
+
 // Row-major y[m,n] = x[m,k]·W[k,n] is, read column-major, yᵀ[n,m] = Wᵀ[n,k]·xᵀ[k,m]: W is
 // cuBLASLt's A (n×k, ld w_ld), x its B (k×m, ld k), the product its D (n×m, ld n); no transposes.
-// A column slice of a wider W is the same A with its first column's address and ld = full N.
+// A column slice of a wider W is the same A with its first column's address and ld = full N. D's
+// rows are then y's columns, so the bias epilogue (a vector over D's rows) adds bias[column].
 // fp32 uses CUBLAS_COMPUTE_32F, never the TF32 mode, so fp32 stays fp32 arithmetic.
-flashnorm_status make_plan(flashnorm_context* context, GemmKey const& key, GemmPlan& plan)
+flashnorm_status make_plan(flashnorm_context* context, GemmKey const& key, void const* bias, GemmPlan& plan)
 {
     cudaDataType_t const io_type = cuda_type(key.dtype);
     cudaDataType_t const out_type = cuda_type(key.out_dtype);
@@ -70,6 +94,12 @@ flashnorm_status make_plan(flashnorm_context* context, GemmKey const& key, GemmP
     FLASHNORM_CHECK(context, cublasLtMatrixLayoutCreate(&plan.x_layout, io_type, k, m, static_cast<int64_t>(k)));
     FLASHNORM_CHECK(
         context, cublasLtMatrixLayoutCreate(&plan.product_layout, out_type, n, m, static_cast<int64_t>(n)));
+    if (key.bias.type != GemmBias::kNoBias)
+    {
+        flashnorm_status const status = set_bias(context, key, plan, bias);
+        if (status != FLASHNORM_STATUS_OK)
+            return status;
+    }
     if (key.batch > 1)
     {
         uint32_t const mode = CUBLASLT_BATCH_MODE_POINTER_ARRAY;
@@ -101,12 +131,15 @@ flashnorm_status make_plan(flashnorm_context* context, GemmKey const& key, GemmP
         cublasLtMatmulPreferenceSetAttribute(plan.preference, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES,
             &product_alignment, sizeof(product_alignment)));
     // Host-only query (no stream work), so a first call of a new shape inside a capture is fine.
+    // cuBLASLt answers a combination it has no kernel for (a bias type beside these outputs, say)
+    // with NOT_SUPPORTED or with no result: both are UNSUPPORTED here, which prenorm's bias falls back on.
     cublasLtMatmulHeuristicResult_t result{};
     int found = 0;
-    FLASHNORM_CHECK(context,
-        cublasLtMatmulAlgoGetHeuristic(context->cublas, plan.operation, plan.w_layout, plan.x_layout,
-            plan.product_layout, plan.product_layout, plan.preference, 1, &result, &found));
-    if (found == 0)
+    cublasStatus_t const asked = cublasLtMatmulAlgoGetHeuristic(context->cublas, plan.operation, plan.w_layout,
+        plan.x_layout, plan.product_layout, plan.product_layout, plan.preference, 1, &result, &found);
+    if (asked != CUBLAS_STATUS_SUCCESS && asked != CUBLAS_STATUS_NOT_SUPPORTED)
+        FLASHNORM_CHECK(context, asked);
+    if (asked == CUBLAS_STATUS_NOT_SUPPORTED || found == 0)
     {
         return record_error(context, FLASHNORM_STATUS_UNSUPPORTED, "cublasLtMatmulAlgoGetHeuristic",
             "no cuBLASLt algorithm for this shape and alignment", __FILE__);
@@ -138,19 +171,29 @@ flashnorm_status join_side_stream(flashnorm_context* context, cudaStream_t strea
     return FLASHNORM_STATUS_OK;
 }
 
-flashnorm_status find_plan(flashnorm_context* context, GemmKey const& key, GemmPlan const** plan)
+// The plan for `key` (made on first use; `bias` is the pointer a new plan's heuristic judges). A key
+// with no algorithm answers UNSUPPORTED on every call, from the cache after the first.
+flashnorm_status find_plan(flashnorm_context* context, GemmKey const& key, void const* bias, GemmPlan const** plan)
 {
     auto const existing = context->plans.find(key);
     if (existing != context->plans.end())
     {
         *plan = &existing->second;
-        return FLASHNORM_STATUS_OK;
+        return existing->second.usable
+            ? FLASHNORM_STATUS_OK
+            : record_error(context, FLASHNORM_STATUS_UNSUPPORTED, "cuBLASLt", "no algorithm for this GEMM", __FILE__);
     }
     GemmPlan fresh;
-    flashnorm_status const status = make_plan(context, key, fresh);
+    flashnorm_status const status = make_plan(context, key, bias, fresh);
     if (status != FLASHNORM_STATUS_OK)
     {
         destroy_plan(fresh);
+        if (status == FLASHNORM_STATUS_UNSUPPORTED)
+        {
+            GemmPlan refused;
+            refused.usable = false;
+            context->plans.emplace(key, refused);
+        }
         return status;
     }
     *plan = &context->plans.emplace(key, fresh).first->second;
@@ -173,7 +216,7 @@ bool GemmKey::operator==(GemmKey const& other) const
 {
     return m == other.m && k == other.k && n == other.n && w_ld == other.w_ld && dtype == other.dtype
         && out_dtype == other.out_dtype && x_alignment == other.x_alignment && w_alignment == other.w_alignment
-        && out_alignment == other.out_alignment && batch == other.batch;
+        && out_alignment == other.out_alignment && batch == other.batch && bias == other.bias;
 }
 
 size_t GemmKeyHash::operator()(GemmKey const& key) const
@@ -181,7 +224,8 @@ size_t GemmKeyHash::operator()(GemmKey const& key) const
     size_t hash = std::hash<int64_t>()(key.m);
     for (uint64_t part : {uint64_t(key.k), uint64_t(key.n), uint64_t(key.w_ld), uint64_t(key.dtype),
              uint64_t(key.out_dtype), uint64_t(key.x_alignment), uint64_t(key.w_alignment),
-             uint64_t(key.out_alignment), uint64_t(key.batch)})
+             uint64_t(key.out_alignment), uint64_t(key.batch), uint64_t(int64_t(key.bias.type)),
+             uint64_t(key.bias.alignment)})
     {
         hash = hash * 1000003u ^ std::hash<uint64_t>()(part);
     }
@@ -228,11 +272,11 @@ void destroy_context(flashnorm_context* context)
 }
 
 flashnorm_status run_two_stream(flashnorm_context* context, flashnorm_problem const& problem, void const* x,
-    void const* w, OutputSplits const& splits, void* workspace, cudaStream_t stream)
+    void const* w, float const* bias, OutputSplits const& splits, void* workspace, cudaStream_t stream)
 {
     TwoStreamLayout const layout = two_stream_layout(problem.m, problem.n, problem.dtype);
     char* const base = static_cast<char*>(workspace);
-    float* const inv_rms = reinterpret_cast<float*>(base);
+    float* const scales = reinterpret_cast<float*>(base);
     void* const product = base + layout.product_offset;
     void* const gemm_workspace = base + layout.gemm_workspace_offset;
 
@@ -240,7 +284,7 @@ flashnorm_status run_two_stream(flashnorm_context* context, flashnorm_problem co
     GemmKey const key{problem.m, problem.k, problem.n, problem.n, problem.dtype, product_type, alignment_of(x),
         alignment_of(w), alignment_of(product)};
     GemmPlan const* plan = nullptr;
-    flashnorm_status status = find_plan(context, key, &plan);
+    flashnorm_status status = find_plan(context, key, nullptr, &plan);
     if (status != FLASHNORM_STATUS_OK)
     {
         return status;
@@ -250,8 +294,9 @@ flashnorm_status run_two_stream(flashnorm_context* context, flashnorm_problem co
     status = fork_side_stream(context, stream);
     if (status != FLASHNORM_STATUS_OK)
         return status;
-    FLASHNORM_CHECK(
-        context, launch_inv_rms(problem.dtype, x, problem.m, problem.k, problem.eps, inv_rms, context->side_stream));
+    FLASHNORM_CHECK(context,
+        launch_row_scales(
+            problem.dtype, x, problem.m, problem.k, row_norm(problem, bias), scales, context->side_stream));
 
     float const alpha = 1.f;
     float const beta = 0.f;
@@ -260,51 +305,60 @@ flashnorm_status run_two_stream(flashnorm_context* context, flashnorm_problem co
             plan->product_layout, product, plan->product_layout, &plan->algorithm, gemm_workspace,
             plan->workspace_bytes, stream));
 
-    // The post-scale reads inv_rms, so the caller's stream waits for the side stream here.
+    // The post-scale reads the scales, so the caller's stream waits for the side stream here.
     status = join_side_stream(context, stream);
     if (status != FLASHNORM_STATUS_OK)
         return status;
     FLASHNORM_CHECK(context,
-        launch_post_scale(problem.dtype, product_type, product, inv_rms, problem.m, problem.n, splits, stream));
+        launch_post_scale(problem.dtype, product_type, product, scales, bias, problem.m, problem.n, splits, stream));
     return FLASHNORM_STATUS_OK;
 }
 
-flashnorm_status run_prenorm(flashnorm_context* context, flashnorm_problem const& problem, void const* x,
-    void const* w, OutputSplits const& splits, void* workspace, cudaStream_t stream)
+namespace
 {
-    SplitRun runs[FLASHNORM_MAX_OUTPUTS];
-    int const run_count = split_runs(problem, runs);
-    PrenormLayout const layout = prenorm_layout(problem.m, problem.k, problem.dtype, run_count);
-    char* const base = static_cast<char*>(workspace);
-    void* const normalized = base;
-    void const** const table = reinterpret_cast<void const**>(base + layout.pointer_table_offset);
+
+// One cuBLASLt call of prenorm: a split's GEMM, or a run's pointer-array batch (A, B and D then
+// point to arrays in the workspace's pointer table), with its bias (or none).
+struct PrenormGemm
+{
+    GemmPlan const* plan = nullptr;
+    void const* a = nullptr;
+    void const* b = nullptr;
+    void* d = nullptr;
+    void const* bias = nullptr;
+    int run = 0;
+};
+
+// The GEMMs of every run with the bias in `bias_type` (GemmBias::kNoBias: none) read from `biases`
+// (the call's fp32 bias, or its rounding in the workspace), planned on the host (nothing enqueued);
+// a batch cuBLASLt refuses with that bias runs split by split. UNSUPPORTED where a GEMM has no
+// algorithm. `pointers` gets the batches' arrays.
+flashnorm_status plan_prenorm_gemms(flashnorm_context* context, flashnorm_problem const& problem, void const* w,
+    void const* normalized, void const** table, OutputSplits const& splits, SplitRun const* runs, int run_count,
+    int32_t bias_type, char const* biases, PointerTable& pointers, PrenormGemm (&gemms)[FLASHNORM_MAX_OUTPUTS],
+    int& gemm_count)
+{
     size_t const element = element_bytes(problem.dtype);
+    size_t const bias_element = bias_type == CUDA_R_32F ? sizeof(float) : element;
     auto const w_slice = [&](int split) -> void const* {
         return static_cast<char const*>(w) + element * static_cast<size_t>(splits.offsets[split]);
     };
-
-    // Every plan first (host only): a failure then leaves nothing enqueued. A run of several
-    // splits reads its W slices, x̂ and outputs from three arrays of the pointer table.
-    GemmPlan const* plans[FLASHNORM_MAX_OUTPUTS] = {};
-    void const* a_operands[FLASHNORM_MAX_OUTPUTS] = {};
-    void const* b_operands[FLASHNORM_MAX_OUTPUTS] = {};
-    void* d_operands[FLASHNORM_MAX_OUTPUTS] = {};
-    PointerTable pointers{};
-    pointers.destination = table;
-    int widest = 0;
+    auto const bias_slice = [&](int split) -> void const* {
+        return biases == nullptr ? nullptr : biases + bias_element * static_cast<size_t>(splits.offsets[split]);
+    };
+    auto const bias_of = [&](void const* first, uint32_t alignment) {
+        return bias_type == GemmBias::kNoBias ? GemmBias{} : GemmBias{bias_type, std::min(alignment, alignment_of(first))};
+    };
+    pointers.count = 0;
+    gemm_count = 0;
     for (int r = 0; r < run_count; ++r)
     {
         SplitRun const& run = runs[r];
-        uint32_t w_alignment = alignment_of(w_slice(run.first));
-        uint32_t out_alignment = alignment_of(splits.outputs[run.first]);
-        if (run.count == 1)
+        if (run.count > 1)
         {
-            a_operands[r] = w_slice(run.first);
-            b_operands[r] = normalized;
-            d_operands[r] = splits.outputs[run.first];
-        }
-        else
-        {
+            uint32_t w_alignment = 256;
+            uint32_t out_alignment = 256;
+            uint32_t bias_alignment = 256;
             void const** const arrays = pointers.values + pointers.count;
             for (int i = 0; i < run.count; ++i)
             {
@@ -313,50 +367,123 @@ flashnorm_status run_prenorm(flashnorm_context* context, flashnorm_problem const
                 arrays[2 * run.count + i] = splits.outputs[run.first + i];
                 w_alignment = std::min(w_alignment, alignment_of(arrays[i]));
                 out_alignment = std::min(out_alignment, alignment_of(arrays[2 * run.count + i]));
+                bias_alignment = std::min(bias_alignment, alignment_of(bias_slice(run.first + i)));
             }
-            a_operands[r] = table + pointers.count;
-            b_operands[r] = table + pointers.count + run.count;
-            d_operands[r] = table + pointers.count + 2 * run.count;
-            pointers.count += 3 * run.count;
+            GemmKey const key{problem.m, problem.k, run.width, problem.n, problem.dtype, problem.dtype,
+                alignment_of(normalized), w_alignment, out_alignment, run.count,
+                bias_of(bias_slice(run.first), bias_alignment)};
+            GemmPlan const* plan = nullptr;
+            flashnorm_status const status = find_plan(context, key, bias_slice(run.first), &plan);
+            if (status == FLASHNORM_STATUS_OK)
+            {
+                gemms[gemm_count++] = {plan, table + pointers.count, table + pointers.count + run.count,
+                    const_cast<void**>(table + pointers.count + 2 * run.count), bias_slice(run.first), r};
+                pointers.count += 3 * run.count;
+                continue;
+            }
+            if (status != FLASHNORM_STATUS_UNSUPPORTED || bias_type == GemmBias::kNoBias)
+                return status;
         }
-        GemmKey const key{problem.m, problem.k, run.width, problem.n, problem.dtype, problem.dtype,
-            alignment_of(normalized), w_alignment, out_alignment, run.count};
-        flashnorm_status const status = find_plan(context, key, &plans[r]);
-        if (status != FLASHNORM_STATUS_OK)
+        for (int split = run.first; split < run.first + run.count; ++split)
         {
-            return status;
+            GemmKey const key{problem.m, problem.k, run.width, problem.n, problem.dtype, problem.dtype,
+                alignment_of(normalized), alignment_of(w_slice(split)), alignment_of(splits.outputs[split]), 1,
+                bias_of(bias_slice(split), 256)};
+            GemmPlan const* plan = nullptr;
+            flashnorm_status const status = find_plan(context, key, bias_slice(split), &plan);
+            if (status != FLASHNORM_STATUS_OK)
+                return status;
+            gemms[gemm_count++] = {plan, w_slice(split), normalized, splits.outputs[split], bias_slice(split), r};
         }
-        widest = run.columns() > runs[widest].columns() ? r : widest;
     }
+    return FLASHNORM_STATUS_OK;
+}
+
+} // namespace
+
+flashnorm_status run_prenorm(flashnorm_context* context, flashnorm_problem const& problem, void const* x,
+    void const* w, float const* bias, OutputSplits const& splits, void* workspace, cudaStream_t stream)
+{
+    SplitRun runs[FLASHNORM_MAX_OUTPUTS];
+    int const run_count = split_runs(problem, runs);
+    PrenormLayout const layout = prenorm_layout(problem.m, problem.k, problem.n, problem.dtype, run_count);
+    char* const base = static_cast<char*>(workspace);
+    void* const normalized = base;
+    void const** const table = reinterpret_cast<void const**>(base + layout.pointer_table_offset);
+    void* const rounded_bias = base + layout.bias_offset;
+
+    // Every plan first (host only): a failure then leaves nothing enqueued. The bias goes into the
+    // GEMMs' epilogue in fp32 where cuBLASLt takes it beside these outputs, else rounded to their type
+    // (the normalize kernel rounds it into the workspace).
+    PointerTable pointers{};
+    pointers.destination = table;
+    PrenormGemm gemms[FLASHNORM_MAX_OUTPUTS];
+    int gemm_count = 0;
+    RoundedBias rounding{};
+    flashnorm_status status = FLASHNORM_STATUS_OK;
+    if (bias == nullptr)
+    {
+        status = plan_prenorm_gemms(context, problem, w, normalized, table, splits, runs, run_count,
+            GemmBias::kNoBias, nullptr, pointers, gemms, gemm_count);
+    }
+    else
+    {
+        status = plan_prenorm_gemms(context, problem, w, normalized, table, splits, runs, run_count, CUDA_R_32F,
+            reinterpret_cast<char const*>(bias), pointers, gemms, gemm_count);
+        if (status == FLASHNORM_STATUS_UNSUPPORTED && problem.dtype != FLASHNORM_DTYPE_F32)
+        {
+            rounding = RoundedBias{bias, rounded_bias, problem.n};
+            status = plan_prenorm_gemms(context, problem, w, normalized, table, splits, runs, run_count,
+                cuda_type(problem.dtype), static_cast<char const*>(rounded_bias), pointers, gemms, gemm_count);
+        }
+    }
+    if (status != FLASHNORM_STATUS_OK)
+        return status;
+    int widest = 0;
+    for (int r = 0; r < run_count; ++r)
+        widest = runs[r].columns() > runs[widest].columns() ? r : widest;
 
     float const alpha = 1.f;
     float const beta = 0.f;
-    auto gemm = [&](int r, void* gemm_workspace, cudaStream_t on) {
-        GemmPlan const* const plan = plans[r];
-        return cublasLtMatmul(context->cublas, plan->operation, &alpha, a_operands[r], plan->w_layout, b_operands[r],
-            plan->x_layout, &beta, d_operands[r], plan->product_layout, d_operands[r], plan->product_layout,
-            &plan->algorithm, gemm_workspace, plan->workspace_bytes, on);
+    auto gemm = [&](PrenormGemm const& call, void* gemm_workspace, cudaStream_t on) {
+        GemmPlan const* const plan = call.plan;
+        if (call.bias != nullptr)
+        {
+            // Host-side descriptor state, read when the GEMM is enqueued (a capture records it).
+            cublasStatus_t const set = cublasLtMatmulDescSetAttribute(
+                plan->operation, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &call.bias, sizeof(call.bias));
+            if (set != CUBLAS_STATUS_SUCCESS)
+                return set;
+        }
+        return cublasLtMatmul(context->cublas, plan->operation, &alpha, call.a, plan->w_layout, call.b,
+            plan->x_layout, &beta, call.d, plan->product_layout, call.d, plan->product_layout, &plan->algorithm,
+            gemm_workspace, plan->workspace_bytes, on);
     };
 
-    // The normalize kernel also writes the pointer table (before any GEMM reads it).
+    // The normalize kernel also writes the pointer table and the rounded bias (before any GEMM reads them).
     FLASHNORM_CHECK(context,
-        launch_normalize_rows(problem.dtype, x, normalized, problem.m, problem.k, problem.eps, pointers, stream));
+        launch_normalize_rows(problem.dtype, x, normalized, problem.m, problem.k, row_norm(problem, bias), pointers,
+            rounding, stream));
     bool const forked = run_count > 1;
     if (forked)
     {
         // A narrow run's GEMM alone leaves most of the GPU idle (kernels/DESIGN.md, prenorm): the
         // narrow ones run on the side stream, one after another on its own cuBLASLt workspace,
         // while the widest runs here. Fork after x̂ and the table are written: they all read them.
-        flashnorm_status const status = fork_side_stream(context, stream);
+        status = fork_side_stream(context, stream);
         if (status != FLASHNORM_STATUS_OK)
             return status;
-        for (int r = 0; r < run_count; ++r)
+        for (int g = 0; g < gemm_count; ++g)
         {
-            if (r != widest)
-                FLASHNORM_CHECK(context, gemm(r, base + layout.side_gemm_workspace_offset, context->side_stream));
+            if (gemms[g].run != widest)
+                FLASHNORM_CHECK(context, gemm(gemms[g], base + layout.side_gemm_workspace_offset, context->side_stream));
         }
     }
-    FLASHNORM_CHECK(context, gemm(widest, base + layout.gemm_workspace_offset, stream));
+    for (int g = 0; g < gemm_count; ++g)
+    {
+        if (gemms[g].run == widest)
+            FLASHNORM_CHECK(context, gemm(gemms[g], base + layout.gemm_workspace_offset, stream));
+    }
     // The narrow outputs are written before anything the caller enqueues next.
     return forked ? join_side_stream(context, stream) : FLASHNORM_STATUS_OK;
 }

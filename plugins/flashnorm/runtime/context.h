@@ -31,9 +31,9 @@ inline TwoStreamLayout two_stream_layout(int64_t m, int64_t n, flashnorm_dtype d
     return dispatch::two_stream_layout(m, n, dispatch_dtype(dtype));
 }
 
-inline PrenormLayout prenorm_layout(int64_t m, int64_t k, flashnorm_dtype dtype, int runs)
+inline PrenormLayout prenorm_layout(int64_t m, int64_t k, int64_t n, flashnorm_dtype dtype, int runs)
 {
-    return dispatch::prenorm_layout(m, k, dispatch_dtype(dtype), runs);
+    return dispatch::prenorm_layout(m, k, n, dispatch_dtype(dtype), runs);
 }
 
 // Consecutive splits of one width: prenorm runs each run as one GEMM, a pointer-array batched one
@@ -44,17 +44,32 @@ inline int split_runs(flashnorm_problem const& problem, SplitRun (&runs)[FLASHNO
     return dispatch::split_runs(problem.num_outputs, problem.split_sizes, runs);
 }
 
+// The bias a GEMM adds in cuBLASLt's epilogue (prenorm): none, or its type and alignment.
+struct GemmBias
+{
+    // kNoBias, or the cudaDataType_t of the bias vector (fp32, or the output type).
+    int32_t type = kNoBias;
+    uint32_t alignment = 0;
+    static constexpr int32_t kNoBias = -1;
+    bool operator==(GemmBias const& other) const
+    {
+        return type == other.type && alignment == other.alignment;
+    }
+};
+
 // A GEMM shape as cuBLASLt sees it: [m,k]·W[:, n columns] with W's rows w_ld elements apart (the
-// full N when prenorm reads one split's column slice), written in out_dtype. Pointer alignment is
-// part of the key because the heuristic may only pick kernels that the actual pointers satisfy.
+// full N when prenorm reads one split's column slice), written in out_dtype, plus a bias. Pointer
+// alignment is part of the key because the heuristic may only pick kernels that the actual pointers
+// satisfy.
 struct GemmKey
 {
     int64_t m, k, n, w_ld;
     flashnorm_dtype dtype, out_dtype;
     uint32_t x_alignment, w_alignment, out_alignment;
     // > 1: that many GEMMs of this shape in one pointer-array batched call (arrays of W slices,
-    // x and outputs in device memory).
+    // x and outputs in device memory; the batch's biases n apart).
     int32_t batch = 1;
+    GemmBias bias{};
     bool operator==(GemmKey const& other) const;
 };
 
@@ -63,9 +78,11 @@ struct GemmKeyHash
     size_t operator()(GemmKey const& key) const;
 };
 
-// Descriptors, layouts and the chosen algorithm for one GemmKey: made on its first call.
+// Descriptors, layouts and the chosen algorithm for one GemmKey: made on its first call. A key
+// cuBLASLt has no algorithm for is kept too (usable false), so that a call asks the heuristic once.
 struct GemmPlan
 {
+    bool usable = true;
     cublasLtMatmulDesc_t operation = nullptr;
     cublasLtMatrixLayout_t w_layout = nullptr;
     cublasLtMatrixLayout_t x_layout = nullptr;
@@ -106,16 +123,16 @@ namespace flashnorm
 flashnorm_status create_context(flashnorm_context* context);
 void destroy_context(flashnorm_context* context);
 
-// y = (x·W*) scaled per row, split: GEMM on `stream` ‖ inv_rms on the side stream, joined
-// before the post-scale reads either result.
+// y = (x·W*) scaled per row + bias, split: GEMM on `stream` ‖ the row scales on the side stream,
+// joined before the post-scale reads either result.
 flashnorm_status run_two_stream(flashnorm_context* context, flashnorm_problem const& problem, void const* x,
-    void const* w, OutputSplits const& splits, void* workspace, cudaStream_t stream);
+    void const* w, float const* bias, OutputSplits const& splits, void* workspace, cudaStream_t stream);
 
-// y = x̂·W*, split: x̂ = x ⊙ inv_rms into the workspace, then one cuBLASLt GEMM per run of
-// equal-width splits (SplitRun) from the column slices of W* straight into the outputs: the widest
-// run on `stream`, the others on the side stream beside it (forked after x̂ is written, joined
-// before the call returns).
+// y = x̂·W* + bias, split: x̂ (the normalized x) into the workspace, then one cuBLASLt GEMM per run
+// of equal-width splits (SplitRun) from the column slices of W* straight into the outputs, the bias
+// in its epilogue: the widest run on `stream`, the others on the side stream beside it (forked after
+// x̂ is written, joined before the call returns).
 flashnorm_status run_prenorm(flashnorm_context* context, flashnorm_problem const& problem, void const* x,
-    void const* w, OutputSplits const& splits, void* workspace, cudaStream_t stream);
+    void const* w, float const* bias, OutputSplits const& splits, void* workspace, cudaStream_t stream);
 
 } // namespace flashnorm

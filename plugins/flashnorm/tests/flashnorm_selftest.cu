@@ -1,7 +1,8 @@
 // Runs every strategy of the C ABI on small problems (all dtypes, several splits, tails in K
 // and N, M above one row pass, a delayed side stream, a CUDA-graph capture, AUTO on a given
-// multiprocessor count in the workspace sized for that count) and compares each output element with
-// a float64 host reference. Small on purpose: it runs under compute-sanitizer.
+// multiprocessor count in the workspace sized for that count, both statistics with and without a
+// bias, rows whose mean is a thousand times their spread) and compares each output element with a
+// float64 host reference. Small on purpose: it runs under compute-sanitizer.
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
@@ -90,7 +91,15 @@ struct Case
     int32_t strip_cols = 0; // the fused kernel's layout, forced where non-zero
     int32_t cluster_size = 0;
     int32_t multiprocessors = 0; // AUTO's count (flashnorm_problem.multiprocessors; 0: the device's)
+    flashnorm_statistic statistic = FLASHNORM_STATISTIC_RMS;
+    bool bias = false;
+    float mean = 0.f; // each row's mean, in units of its spread (variance cases: 1000 tests the shifted sums)
 };
+
+char const* statistic_name(flashnorm_statistic statistic)
+{
+    return statistic == FLASHNORM_STATISTIC_VARIANCE ? "variance" : "rms";
+}
 
 void run_case(flashnorm_context* context, std::mt19937& rng, Case const& c)
 {
@@ -107,6 +116,7 @@ void run_case(flashnorm_context* context, std::mt19937& rng, Case const& c)
     problem.eps = 1e-5f;
     problem.strategy = c.strategy;
     problem.multiprocessors = c.multiprocessors;
+    problem.statistic = c.statistic;
     int64_t const m = c.m, k = c.k, n = problem.n;
     size_t const bytes = element_bytes(c.dtype);
 
@@ -115,18 +125,28 @@ void run_case(flashnorm_context* context, std::mt19937& rng, Case const& c)
     for (int64_t r = 0; r < m; ++r)
     {
         float const row_scale = std::pow(10.f, std::uniform_real_distribution<float>(-2.f, 1.f)(rng));
+        float const row_mean = (r % 2 ? -c.mean : c.mean) * row_scale;
         for (int64_t i = 0; i < k; ++i)
-            encode(c.dtype, x, r * k + i, normal(rng) * row_scale);
+            encode(c.dtype, x, r * k + i, row_mean + normal(rng) * row_scale);
     }
     for (int64_t i = 0; i < k * n; ++i)
         encode(c.dtype, w, i, normal(rng) / std::sqrt(float(k)));
+    std::vector<float> bias(c.bias ? n : 0);
+    for (float& value : bias)
+        value = normal(rng);
 
     void *x_device = nullptr, *w_device = nullptr, *workspace = nullptr;
+    float* bias_device = nullptr;
     std::vector<void*> outputs(c.splits.size());
     SELFTEST_CUDA(cudaMalloc(&x_device, x.size()));
     SELFTEST_CUDA(cudaMalloc(&w_device, w.size()));
     SELFTEST_CUDA(cudaMemcpy(x_device, x.data(), x.size(), cudaMemcpyHostToDevice));
     SELFTEST_CUDA(cudaMemcpy(w_device, w.data(), w.size(), cudaMemcpyHostToDevice));
+    if (c.bias)
+    {
+        SELFTEST_CUDA(cudaMalloc(&bias_device, n * sizeof(float)));
+        SELFTEST_CUDA(cudaMemcpy(bias_device, bias.data(), n * sizeof(float), cudaMemcpyHostToDevice));
+    }
     for (size_t i = 0; i < c.splits.size(); ++i)
     {
         SELFTEST_CUDA(cudaMalloc(&outputs[i], m * c.splits[i] * bytes));
@@ -146,7 +166,7 @@ void run_case(flashnorm_context* context, std::mt19937& rng, Case const& c)
         cudaGraphExec_t exec = nullptr;
         SELFTEST_CUDA(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
         if (status == FLASHNORM_STATUS_OK)
-            status = flashnorm_matmul(context, &problem, x_device, w_device, outputs.data(), workspace,
+            status = flashnorm_matmul(context, &problem, x_device, w_device, bias_device, outputs.data(), workspace,
                 workspace_bytes, stream);
         SELFTEST_CUDA(cudaStreamEndCapture(stream, &graph));
         SELFTEST_CUDA(cudaGraphInstantiate(&exec, graph, 0));
@@ -157,8 +177,8 @@ void run_case(flashnorm_context* context, std::mt19937& rng, Case const& c)
     }
     else if (status == FLASHNORM_STATUS_OK)
     {
-        status = flashnorm_matmul(context, &problem, x_device, w_device, outputs.data(), workspace, workspace_bytes,
-            stream);
+        status = flashnorm_matmul(context, &problem, x_device, w_device, bias_device, outputs.data(), workspace,
+            workspace_bytes, stream);
     }
     SELFTEST_CUDA(cudaStreamSynchronize(stream));
     flashnorm_testing_set_side_delay(context, 0);
@@ -178,9 +198,16 @@ void run_case(flashnorm_context* context, std::mt19937& rng, Case const& c)
         SELFTEST_CUDA(cudaMemcpy(y.data(), outputs[i], y.size(), cudaMemcpyDeviceToHost));
         for (int64_t r = 0; r < m; ++r)
         {
+            double mean = 0.0;
+            if (c.statistic == FLASHNORM_STATISTIC_VARIANCE)
+            {
+                for (int64_t j = 0; j < k; ++j)
+                    mean += decode(c.dtype, x, r * k + j);
+                mean /= double(k);
+            }
             double ssq = 0.0;
             for (int64_t j = 0; j < k; ++j)
-                ssq += decode(c.dtype, x, r * k + j) * decode(c.dtype, x, r * k + j);
+                ssq += (decode(c.dtype, x, r * k + j) - mean) * (decode(c.dtype, x, r * k + j) - mean);
             double const scale = 1.0 / std::sqrt(ssq / double(k) + 1e-5);
             for (int64_t col = 0; col < c.splits[i]; ++col)
             {
@@ -191,8 +218,10 @@ void run_case(flashnorm_context* context, std::mt19937& rng, Case const& c)
                     dot += term;
                     magnitude += std::fabs(term);
                 }
+                double const added = c.bias ? bias[column0 + col] : 0.0;
                 double const got = decode(c.dtype, y, r * c.splits[i] + col);
-                double const error = std::fabs(got - dot * scale) / ((magnitude + 1e-30) * scale);
+                double const error
+                    = std::fabs(got - (dot * scale + added)) / ((magnitude + 1e-30) * scale + std::fabs(added));
                 worst = std::isnan(got) ? INFINITY : std::fmax(worst, error);
             }
         }
@@ -201,15 +230,17 @@ void run_case(flashnorm_context* context, std::mt19937& rng, Case const& c)
     }
     bool const ok = worst <= tolerance(c.dtype);
     g_failures += ok ? 0 : 1;
-    std::printf("%s %-4s %-10s m=%-3lld k=%-4lld n=%-4lld outputs=%zu delay=%lld graph=%d strip=%d cluster=%d "
-                "multiprocessors=%d workspace=%zu worst=%.3g\n",
-        ok ? "ok  " : "FAIL", name(c.dtype), strategy_name(c.strategy), (long long)m, (long long)k, (long long)n,
-        c.splits.size(), (long long)c.side_delay, int(c.captured), c.strip_cols, c.cluster_size, c.multiprocessors,
-        workspace_bytes, worst);
+    std::printf("%s %-4s %-14s %-8s bias=%d mean=%g m=%-3lld k=%-4lld n=%-4lld outputs=%zu delay=%lld graph=%d "
+                "strip=%d cluster=%d multiprocessors=%d workspace=%zu worst=%.3g\n",
+        ok ? "ok  " : "FAIL", name(c.dtype), strategy_name(c.strategy), statistic_name(c.statistic), int(c.bias),
+        c.mean, (long long)m, (long long)k, (long long)n, c.splits.size(), (long long)c.side_delay, int(c.captured),
+        c.strip_cols, c.cluster_size, c.multiprocessors, workspace_bytes, worst);
 
     SELFTEST_CUDA(cudaStreamDestroy(stream));
     SELFTEST_CUDA(cudaFree(x_device));
     SELFTEST_CUDA(cudaFree(w_device));
+    if (bias_device)
+        SELFTEST_CUDA(cudaFree(bias_device));
     if (workspace)
         SELFTEST_CUDA(cudaFree(workspace));
 }
@@ -263,6 +294,28 @@ int main()
         {FLASHNORM_DTYPE_F16, automatic, 16, 576, {1536, 1536}, 0, false, 0, 0, 132},
         {FLASHNORM_DTYPE_F16, automatic, 16, 576, {1536, 1536}, 0, false, 0, 0, 0},
     };
+    // LayerNorm: every strategy with the variance statistic and a bias, rows whose mean is a
+    // thousand times their spread; K tails, two row passes, a delayed side stream, captures.
+    auto const variance = FLASHNORM_STATISTIC_VARIANCE;
+    std::vector<Case> layer_norm = {
+        {FLASHNORM_DTYPE_F32, fused, 3, 100, {30, 41}, 0, false, 0, 0, 0, variance, true, 1000.f},
+        {FLASHNORM_DTYPE_BF16, fused, 5, 96, {32, 16, 16}, 0, false, 0, 0, 0, variance, true, 1000.f},
+        {FLASHNORM_DTYPE_F16, fused, 19, 130, {24, 72}, 0, true, 0, 0, 0, variance, true, 1000.f},
+        {FLASHNORM_DTYPE_BF16, fused, 2, 2050, {4096, 8}, 0, false, 0, 0, 0, variance, false, 10.f},
+        {FLASHNORM_DTYPE_BF16, fused, 11, 264, {88}, 0, false, 32, 4, 0, variance, true, 100.f},
+        {FLASHNORM_DTYPE_F16, fused, 9, 33, {7, 13}, 0, false, 0, 0, 0, variance, true, 1000.f},
+        {FLASHNORM_DTYPE_F32, two, 3, 100, {30, 41}, 0, false, 0, 0, 0, variance, true, 1000.f},
+        {FLASHNORM_DTYPE_BF16, two, 7, 64, {40, 24}, 200000, false, 0, 0, 0, variance, true, 1000.f},
+        {FLASHNORM_DTYPE_F16, two, 4, 130, {48, 16}, 100000, true, 0, 0, 0, variance, true, 100.f},
+        {FLASHNORM_DTYPE_F32, prenorm, 3, 100, {30, 41}, 0, false, 0, 0, 0, variance, true, 1000.f},
+        {FLASHNORM_DTYPE_BF16, prenorm, 5, 96, {32, 16, 16}, 0, false, 0, 0, 0, variance, true, 1000.f},
+        {FLASHNORM_DTYPE_F16, prenorm, 3, 1032, {64, 32}, 0, false, 0, 0, 0, variance, true, 1000.f},
+        {FLASHNORM_DTYPE_BF16, prenorm, 3, 8200, {24, 8}, 0, false, 0, 0, 0, variance, true, 1000.f},
+        {FLASHNORM_DTYPE_BF16, prenorm, 70, 256, {64, 64, 64}, 0, true, 0, 0, 0, variance, true, 1000.f},
+        {FLASHNORM_DTYPE_F16, prenorm, 19, 130, {24, 72}, 0, false, 0, 0, 0, FLASHNORM_STATISTIC_RMS, true, 0.f},
+        {FLASHNORM_DTYPE_BF16, automatic, 300, 768, {768, 768, 768}, 0, false, 0, 0, 0, variance, true, 100.f},
+    };
+    cases.insert(cases.end(), layer_norm.begin(), layer_norm.end());
     if (flashnorm_strategy_available(context, epilogue))
     {
         cases.insert(cases.end(), {
@@ -273,6 +326,13 @@ int main()
             {FLASHNORM_DTYPE_F16, epilogue, 3900, 576, {576, 192, 192}, 0, false},   // a cluster's 2nd block past x
             {FLASHNORM_DTYPE_BF16, epilogue, 7, 64, {32, 24}, 200000, false},     // delayed reduction
             {FLASHNORM_DTYPE_BF16, epilogue, 70, 256, {64, 64, 64}, 100000, true}, // captured, delayed
+            // LayerNorm: sums in the main loop (K tail), the reduction kernel, a cluster, captured
+            {FLASHNORM_DTYPE_F16, epilogue, 300, 264, {32, 32, 32, 8}, 0, false, 0, 0, 0, variance, true, 1000.f},
+            {FLASHNORM_DTYPE_BF16, epilogue, 5, 96, {32, 32, 16}, 0, false, 0, 0, 0, variance, true, 1000.f},
+            {FLASHNORM_DTYPE_BF16, epilogue, 200, 2056, {4096, 1024, 1024}, 0, false, 0, 0, 0, variance, true, 100.f},
+            {FLASHNORM_DTYPE_BF16, epilogue, 7, 64, {32, 24}, 200000, false, 0, 0, 0, variance, true, 1000.f},
+            {FLASHNORM_DTYPE_BF16, epilogue, 70, 256, {64, 64, 64}, 100000, true, 0, 0, 0, variance, true, 10.f},
+            {FLASHNORM_DTYPE_F16, epilogue, 3900, 576, {576, 192, 192}, 0, false, 0, 0, 0, FLASHNORM_STATISTIC_RMS, true, 0.f},
         });
     }
     else

@@ -10,14 +10,19 @@
  * from fields in the build and runtime phases, the build capability answers types and
  * formats, getFieldsToSerialize round-trips through createPlugin, clone keeps the fields, bad
  * fields are refused; the multiprocessors a build records (the current device's) reach the plan,
- * whose plugin asks the workspace the building one asked, and a plan without them gets 132.
+ * whose plugin asks the workspace the building one asked, and a plan without them gets 132; the
+ * statistic field round-trips, and a node or plan written before it (no statistic, two inputs)
+ * loads as RMS; the third input (the bias) must be float32 [N].
  *
  * GPU part (--gpu): attachToContext with a dummy resource context, onShapeChange and enqueue
  * on device buffers at SmolLM2-135M's projection shapes (K=576 → q|k|v = 576+192+192 and
  * gate|up = 1536+1536) in fp32/fp16/bf16 and every strategy, checked against a float64 CPU
  * reference; the enqueue captured in a CUDA graph and replayed on fresh inputs; two attached
  * contexts enqueued concurrently on two streams, both checked; plans recorded on 78, 114 and 132
- * multiprocessors enqueued in the workspace each asked for, whatever the device's count.
+ * multiprocessors enqueued in the workspace each asked for, whatever the device's count; LayerNorm
+ * plans (statistic 1, a float32 bias as the third input, rows whose mean is 10 times their spread)
+ * in every strategy, checked against a float64 LayerNorm of the same inputs, beside the plans
+ * written before the field (no statistic, two inputs), which still compute RMSNorm.
  *
  * Prints one line per check and exits non-zero if any failed.
  */
@@ -90,26 +95,33 @@ public:
     }
 };
 
-/* A plugin's fields: a node's (no multiprocessors) or a plan's (with them). */
+/* A plugin's fields: a node's (no multiprocessors) or a plan's (with them); without a statistic as
+ * nodes and plans were written before the field existed. */
 struct Fields
 {
     float eps;
     std::vector<int32_t> splits;
     int32_t strategy;
     std::optional<int32_t> multiprocessors;
+    std::optional<int32_t> statistic;
     std::vector<PluginField> list;
     PluginFieldCollection collection{};
 
     Fields(float eps_, std::vector<int32_t> splits_, int32_t strategy_,
-        std::optional<int32_t> multiprocessors_ = std::nullopt)
+        std::optional<int32_t> multiprocessors_ = std::nullopt, std::optional<int32_t> statistic_ = std::nullopt)
         : eps(eps_)
         , splits(std::move(splits_))
         , strategy(strategy_)
         , multiprocessors(multiprocessors_)
+        , statistic(statistic_)
     {
         list = {{"eps", &eps, PluginFieldType::kFLOAT32, 1},
             {"splits", splits.data(), PluginFieldType::kINT32, static_cast<int32_t>(splits.size())},
             {"strategy", &strategy, PluginFieldType::kINT32, 1}};
+        if (statistic)
+        {
+            list.push_back({"statistic", &*statistic, PluginFieldType::kINT32, 1});
+        }
         if (multiprocessors)
         {
             list.push_back({"multiprocessors", &*multiprocessors, PluginFieldType::kINT32, 1});
@@ -126,6 +138,7 @@ struct SerializedFields
     std::vector<int32_t> splits;
     int32_t strategy{-1};
     int32_t multiprocessors{-1};
+    int32_t statistic{-1};
 };
 
 SerializedFields readSerialized(PluginFieldCollection const* fc)
@@ -161,16 +174,23 @@ SerializedFields readSerialized(PluginFieldCollection const* fc)
             out.multiprocessors = *static_cast<int32_t const*>(f.data);
             ++seen;
         }
+        else if (name == "statistic" && f.type == PluginFieldType::kINT32 && f.length == 1)
+        {
+            out.statistic = *static_cast<int32_t const*>(f.data);
+            ++seen;
+        }
     }
-    out.ok = seen == 4;
+    out.ok = seen == 5;
     return out;
 }
 
-/* The serialized fields are `want`'s (its multiprocessors where it has them). */
+/* The serialized fields are `want`'s (its multiprocessors where it has them; its statistic, RMS
+ * where it has none). */
 bool sameFields(SerializedFields const& got, Fields const& want)
 {
     return got.ok && got.eps == want.eps && got.splits == want.splits && got.strategy == want.strategy
-        && (!want.multiprocessors || got.multiprocessors == *want.multiprocessors);
+        && (!want.multiprocessors || got.multiprocessors == *want.multiprocessors)
+        && got.statistic == want.statistic.value_or(0);
 }
 
 /* What a plugin serializes. */
@@ -277,16 +297,19 @@ void cpuChecks(IPluginRegistry* registry)
     auto* creator = static_cast<IPluginCreatorV3One*>(found);
 
     PluginFieldCollection const* names = creator->getFieldNames();
-    bool fieldsOk = names != nullptr && names->nbFields == 3;
+    bool fieldsOk = names != nullptr && names->nbFields == 4;
     if (fieldsOk)
     {
         fieldsOk = std::string(names->fields[0].name) == "eps" && names->fields[0].type == PluginFieldType::kFLOAT32
             && std::string(names->fields[1].name) == "splits" && names->fields[1].type == PluginFieldType::kINT32
-            && std::string(names->fields[2].name) == "strategy" && names->fields[2].type == PluginFieldType::kINT32;
+            && std::string(names->fields[2].name) == "strategy" && names->fields[2].type == PluginFieldType::kINT32
+            && std::string(names->fields[3].name) == "statistic" && names->fields[3].type == PluginFieldType::kINT32;
     }
-    check(fieldsOk, "getFieldNames = eps FLOAT32, splits INT32, strategy INT32 (multiprocessors is recorded, not declared)");
+    check(fieldsOk,
+        "getFieldNames = eps FLOAT32, splits INT32, strategy INT32, statistic INT32 (multiprocessors is recorded, "
+        "not declared)");
 
-    Fields qkv(1e-5F, {576, 192, 192}, 1, 114);
+    Fields qkv(1e-5F, {576, 192, 192}, 1, 114, 1);
     for (TensorRTPhase phase : {TensorRTPhase::kBUILD, TensorRTPhase::kRUNTIME})
     {
         char const* phaseName = phase == TensorRTPhase::kBUILD ? "build" : "runtime";
@@ -349,11 +372,47 @@ void cpuChecks(IPluginRegistry* registry)
             in[1] = makeDynamic({512, 960}, DataType::kBF16);
             check(build->configurePlugin(in.data(), 2, out.data(), 3) != 0, "configurePlugin refuses K mismatch (576 vs 512)");
         }
+        {
+            // The third input: the bias, float32 [N], whatever x's type.
+            DataType types[3] = {DataType::kHALF, DataType::kHALF, DataType::kFLOAT};
+            DataType out[3] = {DataType::kINT8, DataType::kINT8, DataType::kINT8};
+            check(build->getOutputDataTypes(out, 3, types, 3) == 0 && out[0] == DataType::kHALF && out[2] == DataType::kHALF,
+                "getOutputDataTypes takes x, W and an fp32 bias");
+            types[2] = DataType::kHALF;
+            check(build->getOutputDataTypes(out, 3, types, 3) != 0, "getOutputDataTypes refuses an fp16 bias");
+            std::vector<DynamicPluginTensorDesc> io = {makeDynamic({1, 8, 576}, DataType::kBF16),
+                makeDynamic({576, 960}, DataType::kBF16), makeDynamic({960}, DataType::kFLOAT),
+                makeDynamic({1, 8, 576}, DataType::kBF16), makeDynamic({1, 8, 192}, DataType::kBF16),
+                makeDynamic({1, 8, 192}, DataType::kBF16)};
+            bool all = true;
+            for (int32_t pos = 0; pos < 6; ++pos)
+            {
+                all = all && build->supportsFormatCombination(pos, io.data(), 3, 3);
+            }
+            check(all, "supportsFormatCombination accepts bf16 x, W and outputs with an fp32 bias");
+            io[2].desc.type = DataType::kBF16;
+            check(!build->supportsFormatCombination(2, io.data(), 3, 3), "supportsFormatCombination refuses a bf16 bias");
+            io[2].desc.type = DataType::kFLOAT;
+            io[3].desc.type = DataType::kFLOAT;
+            check(!build->supportsFormatCombination(3, io.data(), 3, 3),
+                "supportsFormatCombination refuses an fp32 output beside bf16 x (the bias's type is its own)");
+            std::vector<DynamicPluginTensorDesc> in = {makeDynamic({2, 64, 576}, DataType::kBF16),
+                makeDynamic({576, 960}, DataType::kBF16), makeDynamic({960}, DataType::kFLOAT)};
+            std::vector<DynamicPluginTensorDesc> outs = {makeDynamic({2, 64, 576}, DataType::kBF16),
+                makeDynamic({2, 64, 192}, DataType::kBF16), makeDynamic({2, 64, 192}, DataType::kBF16)};
+            check(build->configurePlugin(in.data(), 3, outs.data(), 3) == 0, "configurePlugin accepts a bias [960]");
+            check(build->getWorkspaceSize(in.data(), 3, outs.data(), 3) == build->getWorkspaceSize(in.data(), 2, outs.data(), 3),
+                "the bias moves no workspace");
+            in[2] = makeDynamic({961}, DataType::kFLOAT);
+            check(build->configurePlugin(in.data(), 3, outs.data(), 3) != 0, "configurePlugin refuses a bias [961]");
+        }
 
         SerializedFields serialized = readSerialized(runtime->getFieldsToSerialize());
         check(sameFields(serialized, qkv),
-            std::string("getFieldsToSerialize returns eps, splits, strategy, multiprocessors as given, ") + phaseName);
-        Fields again(serialized.eps, serialized.splits, serialized.strategy, serialized.multiprocessors);
+            std::string("getFieldsToSerialize returns eps, splits, strategy, statistic, multiprocessors as given, ")
+                + phaseName);
+        Fields again(
+            serialized.eps, serialized.splits, serialized.strategy, serialized.multiprocessors, serialized.statistic);
         std::unique_ptr<IPluginV3> restored(creator->createPlugin("layer0.qkv", &again.collection, TensorRTPhase::kRUNTIME));
         check(restored != nullptr
                 && sameFields(readSerialized(capability<IPluginV3OneRuntime>(restored.get(), PluginCapabilityType::kRUNTIME)
@@ -381,6 +440,18 @@ void cpuChecks(IPluginRegistry* registry)
                                     : SerializedFields{};
         check(s.ok && s.strategy == 0 && s.splits == std::vector<int32_t>{1536, 1536} && s.eps == eps,
             "strategy is optional and defaults to 0 (auto)");
+        check(s.ok && s.statistic == 0, "statistic is optional and defaults to 0 (RMS)");
+    }
+    {
+        // A plan serialized before the statistic existed: eps, splits, strategy and multiprocessors.
+        Fields old(1e-5F, {576, 192, 192}, 0, 132);
+        std::unique_ptr<IPluginV3> plugin(creator->createPlugin("layer0.qkv", &old.collection, TensorRTPhase::kRUNTIME));
+        SerializedFields const s = serializedBy(plugin.get());
+        check(s.ok && s.statistic == 0 && s.multiprocessors == 132,
+            "a plan written before the statistic field loads, computing RMS (statistic 0)");
+        Fields badStatistic(1e-5F, {576, 192, 192}, 0, std::nullopt, 2);
+        std::unique_ptr<IPluginV3> refused(creator->createPlugin("statistic", &badStatistic.collection, TensorRTPhase::kBUILD));
+        check(refused == nullptr, "createPlugin refuses statistic 2");
     }
     {
         float eps = 1e-5F;
@@ -411,7 +482,8 @@ void cpuChecks(IPluginRegistry* registry)
             Fields build(1e-6F, {1536, 1536}, 0, recorded);
             std::unique_ptr<IPluginV3> built(creatorFor(registry, 2)->createPlugin("layer0.mlp", &build.collection, TensorRTPhase::kBUILD));
             SerializedFields const serialized = serializedBy(built.get());
-            Fields plan(serialized.eps, serialized.splits, serialized.strategy, serialized.multiprocessors);
+            Fields plan(
+                serialized.eps, serialized.splits, serialized.strategy, serialized.multiprocessors, serialized.statistic);
             std::unique_ptr<IPluginV3> restored(creatorFor(registry, 2)->createPlugin("layer0.mlp", &plan.collection, TensorRTPhase::kRUNTIME));
             same = same && built != nullptr && restored != nullptr;
             for (int64_t rows : {9, 16, 64, 320})
@@ -537,6 +609,10 @@ struct Problem
     std::vector<int32_t> splits;
     DataType type;
     float eps;
+    // LayerNorm: the statistic field 1, a float32 bias as the third input, rows whose mean is `mean`
+    // times their spread. Otherwise a plan as written before the field: no statistic, two inputs.
+    bool layer_norm = false;
+    double mean = 0.0;
     int64_t n() const
     {
         int64_t total = 0;
@@ -552,9 +628,10 @@ struct Problem
 struct Instance
 {
     Problem p;
-    std::vector<double> x, w;
+    std::vector<double> x, w, bias;
     void* dX{nullptr};
     void* dW{nullptr};
+    void* dBias{nullptr};
     std::vector<void*> dY;
     void* dWorkspace{nullptr};
 
@@ -566,6 +643,7 @@ struct Instance
     {
         cudaFree(dX);
         cudaFree(dW);
+        cudaFree(dBias);
         for (void* y : dY)
         {
             cudaFree(y);
@@ -584,6 +662,7 @@ struct Instance
             dY.push_back(y);
         }
         ok = ok && CUDA_OK(cudaMalloc(&dWorkspace, workspace > 0 ? workspace : 1));
+        ok = ok && (!p.layer_norm || CUDA_OK(cudaMalloc(&dBias, p.n() * sizeof(float))));
         return ok;
     }
 
@@ -597,9 +676,10 @@ struct Instance
         for (int64_t r = 0; r < p.m; ++r)
         {
             double const s = rowScale(rng);
+            double const mean = (r % 2 ? -p.mean : p.mean) * s;
             for (int64_t c = 0; c < p.k; ++c)
             {
-                x[r * p.k + c] = s * mag(rng) * (sign(rng) ? 1 : -1);
+                x[r * p.k + c] = mean + s * mag(rng) * (sign(rng) ? 1 : -1);
             }
         }
         std::vector<uint8_t> bytes = encode(x, p.type);
@@ -615,20 +695,63 @@ struct Instance
             v = normal(rng);
         }
         std::vector<uint8_t> bytes = encode(w, p.type);
-        return CUDA_OK(cudaMemcpy(dW, bytes.data(), bytes.size(), cudaMemcpyHostToDevice));
+        if (!CUDA_OK(cudaMemcpy(dW, bytes.data(), bytes.size(), cudaMemcpyHostToDevice)))
+        {
+            return false;
+        }
+        if (!p.layer_norm)
+        {
+            return true;
+        }
+        // LayerNorm's W is centred (the fold does it): each column minus its mean, so that
+        // x·W = (x − mean x)·W and the result is LayerNorm's; the bias ~ N(0, 1) in fp32.
+        for (int64_t j = 0; j < p.n(); ++j)
+        {
+            double mean = 0;
+            for (int64_t c = 0; c < p.k; ++c)
+            {
+                mean += w[c * p.n() + j];
+            }
+            mean /= static_cast<double>(p.k);
+            for (int64_t c = 0; c < p.k; ++c)
+            {
+                w[c * p.n() + j] -= mean;
+            }
+        }
+        bytes = encode(w, p.type);
+        std::normal_distribution<double> unit(0.0, 1.0);
+        bias.resize(p.n());
+        std::vector<float> values(p.n());
+        for (int64_t j = 0; j < p.n(); ++j)
+        {
+            values[j] = static_cast<float>(unit(rng));
+            bias[j] = values[j];
+        }
+        return CUDA_OK(cudaMemcpy(dW, bytes.data(), bytes.size(), cudaMemcpyHostToDevice))
+            && CUDA_OK(cudaMemcpy(dBias, values.data(), values.size() * sizeof(float), cudaMemcpyHostToDevice));
     }
 
-    /* Worst relative error over all outputs against (x·W)·rsqrt(mean(x²)+eps) in float64. */
+    /* Worst relative error over all outputs against (x·W)·s + bias in float64, s = rsqrt(mean(x²)+eps)
+     * or (LayerNorm) rsqrt(mean((x − mean x)²)+eps). */
     double error()
     {
         int64_t const n = p.n();
         std::vector<double> ref(p.m * n, 0.0);
         for (int64_t r = 0; r < p.m; ++r)
         {
+            double mean = 0;
+            if (p.layer_norm)
+            {
+                for (int64_t c = 0; c < p.k; ++c)
+                {
+                    mean += x[r * p.k + c];
+                }
+                mean /= static_cast<double>(p.k);
+            }
             double ss = 0;
             for (int64_t c = 0; c < p.k; ++c)
             {
-                ss += x[r * p.k + c] * x[r * p.k + c];
+                ss += (x[r * p.k + c] - mean) * (x[r * p.k + c] - mean);
             }
             double const inv = 1.0 / std::sqrt(ss / static_cast<double>(p.k) + static_cast<double>(p.eps));
             double* row = &ref[r * n];
@@ -643,7 +766,7 @@ struct Instance
             }
             for (int64_t j = 0; j < n; ++j)
             {
-                row[j] *= inv;
+                row[j] = row[j] * inv + (p.layer_norm ? bias[j] : 0.0);
             }
         }
         double worst = 0;
@@ -688,7 +811,8 @@ struct Attached
 bool attach(IPluginRegistry* registry, Problem const& p, int32_t strategy, DummyResourceContext& context, Attached& a,
     std::optional<int32_t> multiprocessors = std::nullopt)
 {
-    Fields fields(p.eps, p.splits, strategy, multiprocessors);
+    Fields fields(p.eps, p.splits, strategy, multiprocessors,
+        p.layer_norm ? std::optional<int32_t>(1) : std::nullopt);
     IPluginCreatorV3One* creator = creatorFor(registry, p.splits.size());
     if (creator == nullptr)
     {
@@ -706,15 +830,20 @@ bool attach(IPluginRegistry* registry, Problem const& p, int32_t strategy, Dummy
         return false;
     }
     a.runtime = capability<IPluginV3OneRuntime>(a.plugin.get(), PluginCapabilityType::kRUNTIME);
-    // x as [1, M, K], the layout of a prefill/decode activation.
+    // x as [1, M, K], the layout of a prefill/decode activation; LayerNorm's bias [N] as the third input.
     std::vector<DynamicPluginTensorDesc> din = {makeDynamic({1, p.m, p.k}, p.type), makeDynamic({p.k, p.n()}, p.type)};
+    if (p.layer_norm)
+    {
+        din.push_back(makeDynamic({p.n()}, DataType::kFLOAT));
+    }
     std::vector<DynamicPluginTensorDesc> dout;
     for (int32_t s : p.splits)
     {
         dout.push_back(makeDynamic({1, p.m, s}, p.type));
     }
     auto* build = capability<IPluginV3OneBuild>(base.get(), PluginCapabilityType::kBUILD);
-    a.workspace = build->getWorkspaceSize(din.data(), 2, dout.data(), static_cast<int32_t>(dout.size()));
+    int32_t const inputs = static_cast<int32_t>(din.size());
+    a.workspace = build->getWorkspaceSize(din.data(), inputs, dout.data(), static_cast<int32_t>(dout.size()));
     for (auto const& d : din)
     {
         a.in.push_back(d.desc);
@@ -723,12 +852,12 @@ bool attach(IPluginRegistry* registry, Problem const& p, int32_t strategy, Dummy
     {
         a.out.push_back(d.desc);
     }
-    return a.runtime->onShapeChange(a.in.data(), 2, a.out.data(), static_cast<int32_t>(a.out.size())) == 0;
+    return a.runtime->onShapeChange(a.in.data(), inputs, a.out.data(), static_cast<int32_t>(a.out.size())) == 0;
 }
 
 int32_t enqueue(Attached& a, Instance& inst, cudaStream_t stream)
 {
-    void const* inputs[2] = {inst.dX, inst.dW};
+    void const* inputs[3] = {inst.dX, inst.dW, inst.dBias};
     return a.runtime->enqueue(a.in.data(), a.out.data(), inputs, inst.dY.data(), inst.dWorkspace, stream);
 }
 
@@ -740,7 +869,9 @@ std::string label(Problem const& p, int32_t strategy)
         splits += (splits.empty() ? "" : "+") + std::to_string(s);
     }
     return std::string(typeName(p.type)) + " M=" + std::to_string(p.m) + " K=" + std::to_string(p.k) + " N=" + splits
-        + " strategy=" + std::to_string(strategy);
+        + " strategy=" + std::to_string(strategy)
+        + (p.layer_norm ? " LayerNorm (statistic 1, fp32 bias, mean " + std::to_string(int(p.mean)) + "x spread)"
+                        : " RMS plan written before the statistic (two inputs)");
 }
 
 void gpuChecks(IPluginRegistry* registry, std::mt19937_64& rng)
@@ -793,6 +924,35 @@ void gpuChecks(IPluginRegistry* registry, std::mt19937_64& rng)
                     std::snprintf(buf, sizeof buf, " rel err %.3g (tol %.0e)", err, tolerance(type));
                     check(rc == 0 && err < tolerance(type), "enqueue " + label(p, strategy) + buf);
                 }
+            }
+        }
+    }
+
+    // LayerNorm plans: the statistic field and the bias input, every strategy, decode to prefill rows.
+    std::vector<Case> const layerNormCases = {{1, {0, 1, 2, 3}}, {8, {0, 1, 2, 3}}, {77, {0, 1, 3}}, {512, {0, 1, 3}}};
+    for (DataType type : {DataType::kFLOAT, DataType::kHALF, DataType::kBF16})
+    {
+        for (Case const& c : layerNormCases)
+        {
+            for (int32_t strategy : c.strategies)
+            {
+                Problem p{c.m, 768, {768, 768, 768}, type, 1e-6F, true, 10.0};
+                Attached a;
+                if (!check(attach(registry, p, strategy, context, a), "attachToContext + onShapeChange " + label(p, strategy)))
+                {
+                    continue;
+                }
+                Instance inst(p);
+                if (!inst.allocate(a.workspace) || !inst.uploadW(rng) || !inst.uploadX(rng))
+                {
+                    continue;
+                }
+                int32_t const rc = enqueue(a, inst, stream);
+                bool const synced = CUDA_OK(cudaStreamSynchronize(stream));
+                double const err = (rc == 0 && synced) ? inst.error() : INFINITY;
+                char buf[64];
+                std::snprintf(buf, sizeof buf, " rel err %.3g (tol %.0e)", err, tolerance(type));
+                check(rc == 0 && err < tolerance(type), "enqueue " + label(p, strategy) + buf);
             }
         }
     }

@@ -71,6 +71,7 @@ FlashNormMatMulCreator::FlashNormMatMulCreator(int32_t outputs)
     mFields.emplace_back("eps", nullptr, nvinfer1::PluginFieldType::kFLOAT32, 1);
     mFields.emplace_back("splits", nullptr, nvinfer1::PluginFieldType::kINT32, 0);
     mFields.emplace_back("strategy", nullptr, nvinfer1::PluginFieldType::kINT32, 1);
+    mFields.emplace_back("statistic", nullptr, nvinfer1::PluginFieldType::kINT32, 1);
     mFieldCollection.nbFields = static_cast<int32_t>(mFields.size());
     mFieldCollection.fields = mFields.data();
 }
@@ -121,6 +122,16 @@ nvinfer1::IPluginV3* FlashNormMatMulCreator::createPlugin(
                     return nullptr;
                 }
                 attributes.strategy = strategy[0];
+            }
+            else if (fieldName == "statistic")
+            {
+                std::vector<int32_t> statistic;
+                if (!readIntegers(field, statistic) || statistic.size() != 1)
+                {
+                    logError(pluginName + ": field statistic must be one INT32");
+                    return nullptr;
+                }
+                attributes.statistic = statistic[0];
             }
             else if (fieldName == "multiprocessors")
             {

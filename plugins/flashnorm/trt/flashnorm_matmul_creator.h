@@ -3,8 +3,10 @@
  * one per output count N, each making plugins with exactly N outputs.
  *
  * Fields (as the parser passes ONNX attributes): eps FLOAT32 (required), splits INT32 array
- * of N sizes (required; INTS arrive as int32), strategy INT32 (optional, default 0 = auto;
- * the defer pass writes it on every node, so the parser finds every declared field).
+ * of N sizes (required; INTS arrive as int32), strategy INT32 (optional, default 0 = auto) and
+ * statistic INT32 (optional, default 0 = RMS, 1 = variance: nodes and plans written before it have
+ * none and compute RMSNorm); the defer pass writes both on every node, so the parser finds every
+ * declared field.
  *
  * A plan's fields also hold multiprocessors INT32, which the plugin records when it is made for a
  * build and serializes (MatMulAttributes::multiprocessors). It is not declared (getFieldNames):

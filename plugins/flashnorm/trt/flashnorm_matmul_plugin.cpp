@@ -15,7 +15,15 @@ namespace trt
 {
 namespace
 {
-constexpr int32_t kNbInputs = 2; // x, W*
+// x, W*, and the bias where the node has one (nodes and plans written before it have not).
+constexpr int32_t kMinInputs = 2;
+constexpr int32_t kMaxInputs = 3;
+constexpr int32_t kBiasInput = 2;
+
+bool validInputCount(int32_t nbInputs)
+{
+    return nbInputs >= kMinInputs && nbInputs <= kMaxInputs;
+}
 // The kernel library wants a 256-byte aligned workspace; TensorRT does not document the
 // alignment of the one it hands to enqueue, so ask for this much more and align it here.
 constexpr size_t kWorkspaceAlignment = 256;
@@ -85,6 +93,11 @@ bool validateAttributes(MatMulAttributes const& attributes, std::string& why)
         why = "multiprocessors must be positive, got " + std::to_string(attributes.multiprocessors);
         return false;
     }
+    if (attributes.statistic != FLASHNORM_STATISTIC_RMS && attributes.statistic != FLASHNORM_STATISTIC_VARIANCE)
+    {
+        why = "statistic must be 0 (RMS) or 1 (variance), got " + std::to_string(attributes.statistic);
+        return false;
+    }
     return true;
 }
 
@@ -93,7 +106,7 @@ FlashNormMatMulPlugin::FlashNormMatMulPlugin(std::string name, MatMulAttributes 
     , mAttributes(std::move(attributes))
     , mTotalColumns(std::accumulate(mAttributes.splits.begin(), mAttributes.splits.end(), int64_t{0}))
 {
-    mSerializedFields.reserve(4); // getFieldsToSerialize is noexcept: allocate here
+    mSerializedFields.reserve(5); // getFieldsToSerialize is noexcept: allocate here
 }
 
 FlashNormMatMulPlugin::~FlashNormMatMulPlugin()
@@ -122,7 +135,9 @@ nvinfer1::IPluginV3* FlashNormMatMulPlugin::clone() noexcept
     // context each and are created in attachToContext.
     try
     {
-        return new FlashNormMatMulPlugin(mName, mAttributes);
+        auto* cloned = new FlashNormMatMulPlugin(mName, mAttributes);
+        cloned->mInputs = mInputs;
+        return cloned;
     }
     catch (std::exception const& e)
     {
@@ -154,10 +169,10 @@ int32_t FlashNormMatMulPlugin::getNbOutputs() const noexcept
 int32_t FlashNormMatMulPlugin::getOutputDataTypes(nvinfer1::DataType* outputTypes, int32_t nbOutputs,
     nvinfer1::DataType const* inputTypes, int32_t nbInputs) const noexcept
 {
-    if (nbInputs != kNbInputs || nbOutputs != getNbOutputs())
+    if (!validInputCount(nbInputs) || nbOutputs != getNbOutputs())
     {
-        logError(mName + ": expects 2 inputs (x, W) and " + std::to_string(getNbOutputs()) + " outputs, got "
-            + std::to_string(nbInputs) + " and " + std::to_string(nbOutputs));
+        logError(mName + ": expects 2 or 3 inputs (x, W, bias) and " + std::to_string(getNbOutputs())
+            + " outputs, got " + std::to_string(nbInputs) + " and " + std::to_string(nbOutputs));
         return 1;
     }
     if (!isSupportedType(inputTypes[0]) || inputTypes[1] != inputTypes[0])
@@ -165,6 +180,12 @@ int32_t FlashNormMatMulPlugin::getOutputDataTypes(nvinfer1::DataType* outputType
         logError(mName + ": x and W must share one type among float32, float16 and bfloat16 (got types "
             + std::to_string(static_cast<int32_t>(inputTypes[0])) + " and "
             + std::to_string(static_cast<int32_t>(inputTypes[1])) + ")");
+        return 1;
+    }
+    if (nbInputs > kBiasInput && inputTypes[kBiasInput] != nvinfer1::DataType::kFLOAT)
+    {
+        logError(mName + ": the bias must be float32 (got type "
+            + std::to_string(static_cast<int32_t>(inputTypes[kBiasInput])) + ")");
         return 1;
     }
     for (int32_t i = 0; i < nbOutputs; ++i)
@@ -178,9 +199,16 @@ int32_t FlashNormMatMulPlugin::getOutputShapes(nvinfer1::DimsExprs const* inputs
     nvinfer1::DimsExprs const* /*shapeInputs*/, int32_t nbShapeInputs, nvinfer1::DimsExprs* outputs,
     int32_t nbOutputs, nvinfer1::IExprBuilder& exprBuilder) noexcept
 {
-    if (nbInputs != kNbInputs || nbShapeInputs != 0 || nbOutputs != getNbOutputs())
+    if (!validInputCount(nbInputs) || nbShapeInputs != 0 || nbOutputs != getNbOutputs())
     {
         logError(mName + ": unexpected input/output count in getOutputShapes");
+        return 1;
+    }
+    if (nbInputs > kBiasInput
+        && (inputs[kBiasInput].nbDims != 1
+            || (inputs[kBiasInput].d[0]->isConstant() && inputs[kBiasInput].d[0]->getConstantValue() != mTotalColumns)))
+    {
+        logError(mName + ": the bias must be [N] with N = " + std::to_string(mTotalColumns) + ", the splits' sum");
         return 1;
     }
     nvinfer1::DimsExprs const& x = inputs[0];
@@ -215,7 +243,7 @@ int32_t FlashNormMatMulPlugin::getOutputShapes(nvinfer1::DimsExprs const* inputs
 bool FlashNormMatMulPlugin::supportsFormatCombination(
     int32_t pos, nvinfer1::DynamicPluginTensorDesc const* inOut, int32_t nbInputs, int32_t nbOutputs) noexcept
 {
-    if (nbInputs != kNbInputs || nbOutputs != getNbOutputs() || pos < 0 || pos >= nbInputs + nbOutputs)
+    if (!validInputCount(nbInputs) || nbOutputs != getNbOutputs() || pos < 0 || pos >= nbInputs + nbOutputs)
     {
         return false;
     }
@@ -224,6 +252,11 @@ bool FlashNormMatMulPlugin::supportsFormatCombination(
     {
         return false;
     }
+    // The bias is float32 whatever x is.
+    if (pos == kBiasInput && nbInputs > kBiasInput)
+    {
+        return desc.type == nvinfer1::DataType::kFLOAT;
+    }
     // x decides the type; W and every output must match it.
     return pos == 0 ? isSupportedType(desc.type) : desc.type == inOut[0].desc.type;
 }
@@ -231,7 +264,7 @@ bool FlashNormMatMulPlugin::supportsFormatCombination(
 int32_t FlashNormMatMulPlugin::configurePlugin(nvinfer1::DynamicPluginTensorDesc const* in, int32_t nbInputs,
     nvinfer1::DynamicPluginTensorDesc const* /*out*/, int32_t nbOutputs) noexcept
 {
-    if (nbInputs != kNbInputs || nbOutputs != getNbOutputs())
+    if (!validInputCount(nbInputs) || nbOutputs != getNbOutputs())
     {
         logError(mName + ": unexpected input/output count in configurePlugin");
         return 1;
@@ -249,6 +282,16 @@ int32_t FlashNormMatMulPlugin::configurePlugin(nvinfer1::DynamicPluginTensorDesc
         logError(mName + ": x has K=" + std::to_string(k) + " but W has " + std::to_string(w.d[0]) + " rows");
         return 1;
     }
+    if (nbInputs > kBiasInput)
+    {
+        nvinfer1::Dims const& bias = in[kBiasInput].desc.dims;
+        if (bias.nbDims != 1 || (bias.d[0] >= 0 && bias.d[0] != mTotalColumns))
+        {
+            logError(mName + ": the bias must be [N] with N = " + std::to_string(mTotalColumns));
+            return 1;
+        }
+    }
+    mInputs = nbInputs;
     return 0;
 }
 
@@ -280,13 +323,14 @@ bool FlashNormMatMulPlugin::describeProblem(
     problem.eps = mAttributes.eps;
     problem.strategy = static_cast<flashnorm_strategy>(mAttributes.strategy);
     problem.multiprocessors = mAttributes.multiprocessors;
+    problem.statistic = static_cast<flashnorm_statistic>(mAttributes.statistic);
     return problem.k > 0;
 }
 
 size_t FlashNormMatMulPlugin::getWorkspaceSize(nvinfer1::DynamicPluginTensorDesc const* inputs, int32_t nbInputs,
     nvinfer1::DynamicPluginTensorDesc const* /*outputs*/, int32_t /*nbOutputs*/) const noexcept
 {
-    if (nbInputs != kNbInputs)
+    if (!validInputCount(nbInputs))
     {
         return 0;
     }
@@ -304,7 +348,7 @@ size_t FlashNormMatMulPlugin::getWorkspaceSize(nvinfer1::DynamicPluginTensorDesc
 int32_t FlashNormMatMulPlugin::onShapeChange(nvinfer1::PluginTensorDesc const* in, int32_t nbInputs,
     nvinfer1::PluginTensorDesc const* /*out*/, int32_t nbOutputs) noexcept
 {
-    if (nbInputs != kNbInputs || nbOutputs != getNbOutputs())
+    if (!validInputCount(nbInputs) || nbOutputs != getNbOutputs())
     {
         logError(mName + ": unexpected input/output count in onShapeChange");
         return 1;
@@ -316,6 +360,14 @@ int32_t FlashNormMatMulPlugin::onShapeChange(nvinfer1::PluginTensorDesc const* i
         logError(mName + ": inconsistent shapes or types of x and W at runtime");
         return 1;
     }
+    if (nbInputs > kBiasInput
+        && (in[kBiasInput].dims.nbDims != 1 || in[kBiasInput].dims.d[0] != problem.n
+            || in[kBiasInput].type != nvinfer1::DataType::kFLOAT))
+    {
+        logError(mName + ": the bias must be float32 [N] at runtime");
+        return 1;
+    }
+    mInputs = nbInputs;
     return 0;
 }
 
@@ -359,8 +411,9 @@ int32_t FlashNormMatMulPlugin::enqueue(nvinfer1::PluginTensorDesc const* inputDe
     }
     size_t const workspaceBytes = flashnorm_workspace_size(&problem);
     void* const alignedWorkspace = workspaceBytes == 0 ? nullptr : alignWorkspace(workspace);
+    float const* const bias = mInputs > kBiasInput ? static_cast<float const*>(inputs[kBiasInput]) : nullptr;
     flashnorm_status const status = flashnorm_matmul(
-        mContext, &problem, inputs[0], inputs[1], outputs, alignedWorkspace, workspaceBytes, stream);
+        mContext, &problem, inputs[0], inputs[1], bias, outputs, alignedWorkspace, workspaceBytes, stream);
     if (status != FLASHNORM_STATUS_OK)
     {
         logError(mName + ": flashnorm_matmul failed: " + flashnorm_status_string(status) + ": "
@@ -378,6 +431,7 @@ nvinfer1::IPluginV3* FlashNormMatMulPlugin::attachToContext(nvinfer1::IPluginRes
     try
     {
         attached = new FlashNormMatMulPlugin(mName, mAttributes);
+        attached->mInputs = mInputs;
     }
     catch (std::exception const& e)
     {
@@ -403,6 +457,7 @@ nvinfer1::PluginFieldCollection const* FlashNormMatMulPlugin::getFieldsToSeriali
         {"splits", mAttributes.splits.data(), nvinfer1::PluginFieldType::kINT32,
             static_cast<int32_t>(mAttributes.splits.size())},
         {"strategy", &mAttributes.strategy, nvinfer1::PluginFieldType::kINT32, 1},
+        {"statistic", &mAttributes.statistic, nvinfer1::PluginFieldType::kINT32, 1},
         {"multiprocessors", &mAttributes.multiprocessors, nvinfer1::PluginFieldType::kINT32, 1},
     });
     mSerializedCollection.nbFields = static_cast<int32_t>(mSerializedFields.size());

@@ -7,7 +7,11 @@
  * creator is looked up by that same op type (exporter/flashnorm/contract.py).
  *
  *   inputs : x [..., K], W* [K, N]          (one dtype: fp32, fp16 or bf16)
- *   outputs: y_i [..., N_i], sum(N_i) = N    y = (x · W*) ⊙ rsqrt(mean(x²) + eps), split by columns
+ *            [bias [N], fp32]               (nodes and plans written before it have two inputs)
+ *   outputs: y_i [..., N_i], sum(N_i) = N    y = (x · W*) ⊙ s + bias, split by columns, s the row's
+ *                                            statistic: rsqrt(mean(x²) + eps) (field statistic 0, or
+ *                                            absent as in plans written before it) or, W* centred,
+ *                                            rsqrt(mean((x − mean x)²) + eps) (statistic 1)
  *
  * The plugin only translates TensorRT descriptors into a flashnorm_problem and calls
  * flashnorm_matmul (flashnorm/flashnorm.h); the math, the streams and the cuBLASLt handle
@@ -42,6 +46,8 @@ struct MatMulAttributes
     float eps{0.0F};
     std::vector<int32_t> splits;
     int32_t strategy{FLASHNORM_STRATEGY_AUTO};
+    /* flashnorm_statistic: RMS (0, also where the node or the plan has no such field) or variance (1). */
+    int32_t statistic{FLASHNORM_STATISTIC_RMS};
     /* The multiprocessors AUTO picks for, in getWorkspaceSize and at every enqueue alike: recorded
      * when the plugin is made for a build (the build device's) and serialized into the plan, so that
      * on any GPU the plan runs on AUTO's pick fits the workspace TensorRT reserved at build time
@@ -101,6 +107,8 @@ private:
     std::string mName;
     MatMulAttributes mAttributes;
     int64_t mTotalColumns{0};
+    /* 2 (x, W*) or 3 (and the bias), as configurePlugin and onShapeChange last saw: enqueue is not told. */
+    int32_t mInputs{2};
 
     flashnorm_context* mContext{nullptr};
 

@@ -1,14 +1,17 @@
 """Folding a gain into quantized weights, format by format, node types unchanged.
 
-Each module plans one format (mutates nothing; reads the quantized weight once to measure the
-error, raises `NotQuantFoldable` with a one-line reason) and returns a `QuantEdit` whose
-`apply` rewrites the consumer's inputs with lazily computed constants:
+Which consumers are quantized, how, and where their codes, scales and zero points are is
+`flashnorm.match.quantized`'s answer; its table's `edit` column names the module here that folds
+each. Each module plans one format (mutates nothing; reads the quantized weight once to measure
+the error, raises `NotQuantFoldable` with a one-line reason) and returns a `QuantEdit` (a
+`passes.edit.WeightEdit`) whose `apply` rewrites the consumer's inputs with lazily computed
+constants:
 
 - `prescale`: a per-input-channel constant Mul in front of the projection (ModelOpt int4_awq's
   pre_quant_scale, SmoothQuant scales): s' = s·g, exact; whatever follows it is untouched.
 - `dequantize_linear`: a MatMul/Gemm weight written by DequantizeLinear (int4, uint4, int8,
   uint8, float8e4m3fn; per-tensor, per-axis, blocked; [K, N], or [N, K] behind Transpose or
-  Gemm transB=1). Exact where every quantization group lies in one input channel (scale per
+  Gemm transB=1, Cast and Identity between). Exact where every quantization group lies in one input channel (scale per
   K, blocks along N, block_size 1 along K): the scales take g. Otherwise requantized.
   A float initializer behind QuantizeLinear → DequantizeLinear (fake quantization, as ModelOpt
   writes it) takes the gain itself, and the QuantizeLinear scale is recomputed as the producer
@@ -16,14 +19,18 @@ error, raises `NotQuantFoldable` with a one-line reason) and returns a `QuantEdi
 - `matmulnbits`: com.microsoft::MatMulNBits, requantized per block.
 
 `requantize` holds the per-group clipping search and the error metric (`QuantError`); a
-requantized site whose `noise_ratio` exceeds the fold's `quant_limit` keeps its gain.
+requantized site whose `noise_ratio` exceeds the fold's `quant_limit` keeps its gain. A
+quantized consumer no module folds is refused with the recogniser's reason.
 """
 
 from __future__ import annotations
 
+from typing import Optional
+
 import numpy as np
 import onnx_graphsurgeon as gs
 
+from flashnorm.match.quantized import quantized_use
 from flashnorm.passes.quantized.edit import NotQuantFoldable, QuantEdit
 from flashnorm.passes.quantized.requantize import QuantError
 
@@ -41,27 +48,28 @@ inputs, ratios 0.43–0.50), NLL 3.635 (+0.073, 12% of int4's excess, several ti
 where the gains within each group are nearly equal, exact folds always. A larger limit is a
 choice to make with a measured budget (the report gives every site's ratio)."""
 
-ACTIVATION_QUANTIZE_REASON = (
-    "quantizes the normalized activation with a static scale calibrated on x̂·g; folding would change the "
-    "range it was calibrated for (route: fold first, then quantize)")
 
-
-def plan_quantized(node: gs.Node, activation: gs.Tensor, gain: np.ndarray, where: str):
-    """The QuantEdit folding `gain` into consumer `node` when its weight is quantized (or a
-    prescale Mul sits in front of it), None when the consumer is a plain float projection or
-    none of these; NotQuantFoldable with the reason when it is quantized and cannot be folded."""
+def plan_quantized(node: gs.Node, activation: gs.Tensor, gain: np.ndarray) -> Optional[QuantEdit]:
+    """The QuantEdit folding `gain` into consumer `node` when it computes with quantized values
+    (`flashnorm.match.quantized.quantized_use`) or is a constant per-channel Mul (exact whatever
+    follows it); None when it is a plain float consumer; NotQuantFoldable with the reason (the
+    recogniser's, or the format module's) when it is quantized and cannot be folded."""
     from flashnorm.passes.quantized import dequantize_linear, matmulnbits, prescale
 
     gain = np.asarray(gain, dtype=np.float64).reshape(-1)
-    if node.op == "MatMulNBits":
-        return matmulnbits.plan(node, activation, gain, where)
-    if node.op == "QuantizeLinear":
-        raise NotQuantFoldable(f"{where} {ACTIVATION_QUANTIZE_REASON}")
-    if node.op == "Mul":
-        return prescale.plan(node, activation, gain, where)
-    if node.op in ("MatMul", "Gemm"):
-        return dequantize_linear.plan(node, activation, gain, where)
-    return None
+    use = quantized_use(node, activation)
+    where = f"consumer {node.op} {node.name!r}"
+    if use is None:
+        return prescale.plan(node, activation, gain, where) if node.op == "Mul" else None
+    if use.edit == "prescale":
+        edit = prescale.plan(node, activation, gain, where)
+        if edit is None:
+            raise NotQuantFoldable(use.fold_reason())
+        return edit
+    planners = {"matmulnbits": matmulnbits.plan, "dequantize_linear": dequantize_linear.plan}
+    if use.edit not in planners:
+        raise NotQuantFoldable(use.fold_reason())
+    return planners[use.edit](use, activation, gain)
 
 
 def site_quant_error(edits: list) -> dict | None:

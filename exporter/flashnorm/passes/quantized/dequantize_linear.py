@@ -26,10 +26,10 @@ import dataclasses
 from typing import Optional
 
 import numpy as np
-import onnx
 import onnx_graphsurgeon as gs
 
 from flashnorm.match.projection import linear_use
+from flashnorm.match.quantized import QuantizedUse
 from flashnorm.match.queries import constant_array, holding_constant, numpy_dtype, producer, stored_dtype_name
 from flashnorm.modelio.values import DerivedValues
 from flashnorm.passes.quantized.edit import LazyParts, NotQuantFoldable, QuantEdit
@@ -48,7 +48,7 @@ _CODE_TYPES = {"int4": (4, True), "uint4": (4, False), "int8": (8, True), "uint8
 _FP8_NAMES = frozenset({"float8e4m3fn", "float8_e4m3fn"})
 _SCALE_DTYPES = frozenset({"float32", "float16", "bfloat16"})
 _FLOAT_WEIGHTS = frozenset({"float32", "float16", "bfloat16", "float64"})
-_PASS_THROUGH = frozenset({"Cast", "Identity"})
+_PASS_THROUGH = frozenset({"Cast", "Identity", "Transpose"})
 
 
 def _grid(type_name: str) -> Optional[Grid]:
@@ -128,9 +128,10 @@ class _Groups:
         return values.reshape(self.scale_shape)
 
 
-def _layout(where: str, shape: tuple[int, int], scale_shape: tuple[int, ...], axis: int, block: int) -> _Groups:
+def _layout(where: str, op: str, shape: tuple[int, int], scale_shape: tuple[int, ...], axis: int,
+            block: int) -> _Groups:
     if block < 0:
-        raise NotQuantFoldable(f"{where}: DequantizeLinear block_size {block} is negative")
+        raise NotQuantFoldable(f"{where}: {op} block_size {block} is negative")
     if block == 0 and int(np.prod(scale_shape)) == 1 and len(scale_shape) <= 1:
         return _Groups(shape, scale_shape, "tensor")
     if block == 0:
@@ -146,43 +147,22 @@ def _layout(where: str, shape: tuple[int, int], scale_shape: tuple[int, ...], ax
     return _Groups(shape, scale_shape, "block", axis, block)
 
 
-def _chain(weight: gs.Tensor, node: gs.Node) -> tuple[list[gs.Node], Optional[gs.Node]]:
-    """The nodes from a DequantizeLinear to the projection: ([DequantizeLinear, Cast..., Transpose?], the
-    QuantizeLinear writing its codes or None); ([], None) when no DequantizeLinear writes the weight."""
-    chain, tensor = [], weight
-    for _ in range(6):
-        source = producer(tensor)
-        if source is None:
-            return [], None
-        chain.insert(0, source)
-        if source.op == "DequantizeLinear":
-            quantize = producer(source.inputs[0])
-            return chain, quantize if quantize is not None and quantize.op == "QuantizeLinear" else None
-        if source.op not in _PASS_THROUGH and source.op != "Transpose":
-            return [], None
-        tensor = source.inputs[0]
-    return [], None
-
-
-def _optional(node: gs.Node, index: int) -> Optional[gs.Tensor]:
-    return node.inputs[index] if len(node.inputs) > index and node.inputs[index].name else None
-
-
-def plan(node: gs.Node, activation: gs.Tensor, gain: np.ndarray, where: str) -> Optional[QuantEdit]:
-    """The fold of a projection whose weight DequantizeLinear writes; None when no
-    DequantizeLinear writes it; NotQuantFoldable with the reason when it cannot be folded."""
-    use = linear_use(node, activation, where, NotQuantFoldable)
-    if use is None:
-        return None
-    chain, quantize = _chain(use.weight, node)
-    if not chain:
-        return None
-    dq = chain[0]
+def plan(use: QuantizedUse, activation: gs.Tensor, gain: np.ndarray) -> QuantEdit:
+    """The fold of a projection whose weight DequantizeLinear writes (`use.weight`, the
+    recogniser's chain: DequantizeLinear, then Cast, Identity or Transpose); NotQuantFoldable
+    with the reason when it cannot be folded."""
+    node, where = use.node, use.where
+    linear = linear_use(node, activation, where, NotQuantFoldable)
+    chain, quantize, dq = list(use.weight.chain), use.weight.quantize, use.weight.dequantize
+    if any(n.op not in _PASS_THROUGH for n in use.weight.between):  # a Reshape
+        ops = " → ".join(n.op for n in chain)
+        raise NotQuantFoldable(f"{where}: weight {use.weight.tensor.name!r} is dequantized through {ops}; only Cast, "
+                               "Identity and Transpose([1, 0]) between it and the projection are folded")
     transposes = sum(n.op == "Transpose" for n in chain)
     if any(n.op == "Transpose" and list(n.attrs.get("perm", [1, 0])) != [1, 0] for n in chain):
         raise NotQuantFoldable(f"{where}: weight Transpose perm is not [1, 0]")
-    transposed = (transposes % 2 == 1) != use.trans_b
-    codes, scale, zero = dq.inputs[0], holding_constant(dq.inputs[1]), _optional(dq, 2)
+    transposed = (transposes % 2 == 1) != linear.trans_b
+    codes, scale, zero = use.codes, holding_constant(use.scales), use.zero_points
     shape = tuple(int(d) for d in (getattr(codes, "shape", None) or ()))
     if len(shape) != 2 or any(d <= 0 for d in shape):
         raise NotQuantFoldable(f"{where}: quantized weight {codes.name!r} has shape {list(shape)}, not 2-D")
@@ -190,17 +170,16 @@ def plan(node: gs.Node, activation: gs.Tensor, gain: np.ndarray, where: str) -> 
     if shape[gain_axis] != gain.size:
         raise NotQuantFoldable(f"{where}: weight shape {list(shape)} does not match {gain.size} channels")
     if scale is None:
-        raise NotQuantFoldable(f"{where}: DequantizeLinear scale {dq.inputs[1].name!r} is not a constant")
+        raise NotQuantFoldable(f"{where}: {dq.op} scale {use.scales.name!r} is not a constant")
     if stored_dtype_name(scale) not in _SCALE_DTYPES:
-        raise NotQuantFoldable(f"{where}: DequantizeLinear scale is {stored_dtype_name(scale)}, not a float type")
-    axis = int(dq.attrs.get("axis", 1))
-    axis = axis + 2 if axis < 0 else axis
-    groups = _layout(where, shape, tuple(int(d) for d in scale.shape), axis, int(dq.attrs.get("block_size", 0)))
+        raise NotQuantFoldable(f"{where}: {dq.op} scale is {stored_dtype_name(scale)}, not a float type")
+    axis = use.weight.axis + 2 if use.weight.axis < 0 else use.weight.axis
+    groups = _layout(where, dq.op, shape, tuple(int(d) for d in scale.shape), axis, use.weight.block_size)
     zero_constant = None
     if zero is not None:
         zero_constant = holding_constant(zero)
         if zero_constant is None:
-            raise NotQuantFoldable(f"{where}: DequantizeLinear zero point {zero.name!r} is not a constant")
+            raise NotQuantFoldable(f"{where}: {dq.op} zero point {zero.name!r} is not a constant")
         if stored_dtype_name(zero_constant) != stored_dtype_name(codes):
             raise NotQuantFoldable(f"{where}: zero point of type {stored_dtype_name(zero_constant)}, the weight's codes "
                                    f"are {stored_dtype_name(codes)}")
@@ -208,11 +187,11 @@ def plan(node: gs.Node, activation: gs.Tensor, gain: np.ndarray, where: str) -> 
             raise NotQuantFoldable(f"{where}: zero point shape {list(zero_constant.shape)} differs from the scale's "
                                    f"{list(scale.shape)}")
     if quantize is not None:
-        return _plan_fake(node, activation, gain, where, chain, quantize, scale, zero_constant, groups, gain_axis)
-    code_type = stored_dtype_name(codes)
+        return _plan_fake(use, activation, gain, scale, zero_constant, groups, gain_axis, linear.weight_index)
+    code_type = use.weight.code_type
     grid = _grid(code_type)
     if grid is None:
-        raise NotQuantFoldable(f"{where}: DequantizeLinear codes of type {code_type or 'unknown'} are not folded "
+        raise NotQuantFoldable(f"{where}: {dq.op} codes of type {code_type or 'unknown'} are not folded "
                                "(int4, uint4, int8, uint8, float8e4m3fn are)")
     stored_codes = holding_constant(codes)
     if stored_codes is None:
@@ -233,14 +212,17 @@ def plan(node: gs.Node, activation: gs.Tensor, gain: np.ndarray, where: str) -> 
     def write(folded_gain: np.ndarray) -> list[gs.Node]:
         lazy = LazyParts(lambda: weight.folded(folded_gain)[0])
         suffix = f"folded_for.{activation.name}"
-        inputs = {0: lazy.constant("codes", stored_codes, f"{stored_codes.name}.{suffix}", shape, _code_dtype(code_type)),
-                  1: lazy.constant("scale", scale, f"{scale.name}.{suffix}", scale.shape, numpy_dtype(scale.dtype))}
+        row = use.weight.op
+        inputs = {row.codes: lazy.constant("codes", stored_codes, f"{stored_codes.name}.{suffix}", shape,
+                                           _code_dtype(code_type)),
+                  row.scales: lazy.constant("scale", scale, f"{scale.name}.{suffix}", scale.shape,
+                                            numpy_dtype(scale.dtype))}
         if zero_constant is not None:
-            inputs[2] = lazy.constant("zero", zero_constant, f"{zero_constant.name}.{suffix}", zero_constant.shape,
+            inputs[row.zero_points] = lazy.constant("zero", zero_constant, f"{zero_constant.name}.{suffix}", zero_constant.shape,
                                       _code_dtype(code_type))
-        return _copy_chain(chain, node, use.weight_index, {id(dq): inputs}, suffix)
+        return _copy_chain(chain, node, linear.weight_index, {id(dq): inputs}, suffix)
 
-    edit = QuantEdit(node, stored_codes, f"DequantizeLinear {label}", exact, error, squared_norm, write, shared)
+    edit = QuantEdit(node, stored_codes, f"{dq.op} {label}", exact, error, squared_norm, write, shared)
     if negative:
         edit.format += f", {negative} negative scales"
     return edit
@@ -347,34 +329,31 @@ def _copy_chain(chain: list[gs.Node], node: gs.Node, weight_index: int,
     return new_nodes
 
 
-def _plan_fake(node, activation, gain, where, chain, quantize, scale, zero, groups, gain_axis) -> QuantEdit:
+def _plan_fake(use: QuantizedUse, activation, gain, scale, zero, groups, gain_axis, linear_index) -> QuantEdit:
     """Fake quantization: float W → QuantizeLinear → DequantizeLinear. W takes the gain; the
     scale is recomputed from amax per group, as the producer computes it."""
+    node, where, chain, quantize = use.node, use.where, list(use.weight.chain), use.weight.quantize
     dq = chain[0]
-    source = holding_constant(quantize.inputs[0])
+    source = holding_constant(use.weight.float_weight)
     if source is None:
-        raise NotQuantFoldable(f"{where}: QuantizeLinear input {quantize.inputs[0].name!r} is not a constant initializer")
+        raise NotQuantFoldable(f"{where}: {quantize.op} input {use.weight.float_weight.name!r} is not a constant "
+                               "initializer")
     if stored_dtype_name(source) not in _FLOAT_WEIGHTS:
-        raise NotQuantFoldable(f"{where}: QuantizeLinear input is {stored_dtype_name(source)}, not float")
-    q_scale = holding_constant(quantize.inputs[1])
+        raise NotQuantFoldable(f"{where}: {quantize.op} input is {stored_dtype_name(source)}, not float")
+    q_scale = holding_constant(use.weight.quantize_scales)
     same_layout = (int(quantize.attrs.get("axis", 1)) == int(dq.attrs.get("axis", 1))
                    and int(quantize.attrs.get("block_size", 0)) == int(dq.attrs.get("block_size", 0)))
     if q_scale is None or not same_layout or (q_scale is not scale and not np.array_equal(
             constant_array(q_scale), constant_array(scale))):
-        raise NotQuantFoldable(f"{where}: QuantizeLinear and DequantizeLinear disagree on the scale or its layout")
-    q_zero = _optional(quantize, 2)
+        raise NotQuantFoldable(f"{where}: {quantize.op} and {dq.op} disagree on the scale or its layout")
+    q_zero = use.weight.quantize_zero_points
     q_zero_constant = holding_constant(q_zero) if q_zero is not None else None
     for z in (zero, q_zero_constant):
         if z is not None and np.any(constant_array(z).astype(np.float64) != 0):
             raise NotQuantFoldable(f"{where}: asymmetric fake quantization (zero point ≠ 0) is not folded")
     if q_zero is not None and q_zero_constant is None:
-        raise NotQuantFoldable(f"{where}: QuantizeLinear zero point {q_zero.name!r} is not a constant")
-    if q_zero_constant is not None:
-        code_type = stored_dtype_name(q_zero_constant)
-    elif "output_dtype" in quantize.attrs and int(quantize.attrs["output_dtype"]):
-        code_type = onnx.TensorProto.DataType.Name(int(quantize.attrs["output_dtype"])).lower()
-    else:
-        code_type = "uint8"  # QuantizeLinear's output without a zero point or output_dtype
+        raise NotQuantFoldable(f"{where}: {quantize.op} zero point {q_zero.name!r} is not a constant")
+    code_type = use.weight.code_type
     grid = _grid(code_type)
     if grid is None or (not grid.fp8 and grid.qmin == 0):
         raise NotQuantFoldable(f"{where}: fake quantization to {code_type} is not folded (int4, int8 and "
@@ -399,9 +378,11 @@ def _plan_fake(node, activation, gain, where, chain, quantize, scale, zero, grou
             source, lambda w: (w.astype(np.float64) * g).astype(dtype), dtype=dtype))
         lazy = LazyParts(lambda: {"scale": weight.folded(folded_gain)[0]["scale"]})
         new_scale = lazy.constant("scale", scale, f"{scale.name}.{suffix}", scale.shape, numpy_dtype(scale.dtype))
-        return _copy_chain(fold_chain, node, 1, {id(quantize): {0: folded, 1: new_scale}, id(dq): {1: new_scale}}, suffix)
+        replaced = {id(quantize): {0: folded, use.weight.quantize_op.scales: new_scale},
+                    id(dq): {use.weight.op.scales: new_scale}}
+        return _copy_chain(fold_chain, node, linear_index, replaced, suffix)
 
-    return QuantEdit(node, source, f"QuantizeLinear→DequantizeLinear {code_type} {groups.describe()} (fake quant)",
+    return QuantEdit(node, source, f"{quantize.op}→{dq.op} {code_type} {groups.describe()} (fake quant)",
                      exact, error, squared_norm, write, shared)
 
 

@@ -10,6 +10,7 @@ import numpy as np
 import onnx_graphsurgeon as gs
 
 from flashnorm.modelio.values import DerivedValues
+from flashnorm.passes.edit import WeightEdit
 from flashnorm.passes.quantized.requantize import QuantError
 
 
@@ -22,7 +23,7 @@ class NotQuantFoldable(Exception):
 
 
 @dataclasses.dataclass
-class QuantEdit:
+class QuantEdit(WeightEdit):
     """One quantized consumer to fold: planned (and measured) without changing the graph."""
 
     node: gs.Node
@@ -42,7 +43,6 @@ class QuantEdit:
     and returns the nodes to add."""
 
     shared_with: list[str] = dataclasses.field(default_factory=list)
-    rounding: None = None  # fold.site_rounding's field: quantized weights report QuantError instead
 
     def apply(self, gain: np.ndarray) -> list[gs.Node]:
         return self.writer(gain)

@@ -18,6 +18,7 @@ from __future__ import annotations
 import numpy as np
 import onnx_graphsurgeon as gs
 
+from flashnorm.match.quantized import QuantizedUse
 from flashnorm.match.queries import constant_array, numpy_dtype, stored_dtype_name
 from flashnorm.passes.quantized.edit import LazyParts, NotQuantFoldable, QuantEdit
 from flashnorm.passes.quantized.requantize import Grid, RequantizeError, error_from_sums, requantize
@@ -51,8 +52,9 @@ def _pack(codes: np.ndarray, bits: int, width: int) -> np.ndarray:
 class _Layout:
     """A MatMulNBits node's weight tensors, checked against its attributes."""
 
-    def __init__(self, node: gs.Node, where: str, hidden: int) -> None:
-        attrs = node.attrs
+    def __init__(self, use: QuantizedUse, where: str, hidden: int) -> None:
+        node, attrs = use.node, use.node.attrs
+        self.op = node.op
         try:
             self.k, self.n = int(attrs["K"]), int(attrs["N"])
             self.bits, self.block = int(attrs.get("bits", 4)), int(attrs["block_size"])
@@ -68,7 +70,7 @@ class _Layout:
             raise NotQuantFoldable(f"{where}: g_idx (act-order) reorders K; folding it is not supported")
         self.blocks = -(-self.k // self.block)
         self.blob = self.block * self.bits // 8
-        self.b, self.scales, self.zero_points = node.inputs[1], node.inputs[2], _input(node, 3)
+        self.b, self.scales, self.zero_points = use.codes, use.scales, use.zero_points
         for role, tensor in (("B", self.b), ("scales", self.scales), ("zero_points", self.zero_points)):
             if tensor is not None and not isinstance(tensor, gs.Constant):
                 raise NotQuantFoldable(f"{where}: {role} {tensor.name!r} is not a constant initializer")
@@ -103,7 +105,7 @@ class _Layout:
         zero = "asymmetric" if self.zero_points is not None else "symmetric"
         if self.float_zero:
             zero += " (float zero points)"
-        return f"MatMulNBits uint{self.bits} block {self.block} {zero}, {stored_dtype_name(self.scales)} scales"
+        return f"{self.op} uint{self.bits} block {self.block} {zero}, {stored_dtype_name(self.scales)} scales"
 
     def dequantized(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(W [N, blocks, block] float64 with K padding, scales [N, blocks] float64, zero points [N, blocks])."""
@@ -141,12 +143,14 @@ class _Layout:
         return parts, float(result.squared_error.sum()), float((target ** 2).sum()), own_variance, result.ratio
 
 
-def plan(node: gs.Node, activation: gs.Tensor, gain: np.ndarray, where: str) -> QuantEdit:
+def plan(use: QuantizedUse, activation: gs.Tensor, gain: np.ndarray) -> QuantEdit:
     """The requantizing fold of a MatMulNBits consumer (reads and requantizes its weight once to
     measure the error, keeping nothing), or NotQuantFoldable with the reason."""
-    if node.inputs[0] is not activation or any(t is activation for t in node.inputs[1:]):
+    node, where = use.node, use.where
+    if node.inputs[use.op.activation] is not activation or any(
+            t is activation for i, t in enumerate(node.inputs) if i != use.op.activation):
         raise NotQuantFoldable(f"{where} does not read the normalized tensor as its input A only")
-    layout = _Layout(node, where, gain.size)
+    layout = _Layout(use, where, gain.size)
     try:
         _, squared_error, squared_norm, own_variance, ratio = layout.requantized(gain)
     except RequantizeError as exc:
@@ -154,18 +158,20 @@ def plan(node: gs.Node, activation: gs.Tensor, gain: np.ndarray, where: str) -> 
     readers = {id(n): n for t in (layout.b, layout.scales, layout.zero_points) if t is not None
                for n in t.outputs if n is not node}
     shared = [f"{n.op} {n.name!r}" for n in readers.values()]
+    row = use.op
 
     def write(folded_gain: np.ndarray) -> list[gs.Node]:
         parts = LazyParts(lambda: layout.requantized(folded_gain)[0])
         label = f"{layout.b.name}.folded_for.{activation.name}"
-        node.inputs[1] = parts.constant("B", layout.b, label, layout.b.shape, np.uint8)
-        node.inputs[2] = parts.constant("scales", layout.scales, f"{layout.scales.name}.folded_for.{activation.name}",
-                                        layout.scales.shape, layout.scale_dtype)
+        node.inputs[row.codes] = parts.constant("B", layout.b, label, layout.b.shape, np.uint8)
+        node.inputs[row.scales] = parts.constant("scales", layout.scales,
+                                                 f"{layout.scales.name}.folded_for.{activation.name}",
+                                                 layout.scales.shape, layout.scale_dtype)
         if layout.zero_points is not None:
-            node.inputs[3] = parts.constant("zero_points", layout.zero_points,
-                                            f"{layout.zero_points.name}.folded_for.{activation.name}",
-                                            layout.zero_points.shape,
-                                            layout.scale_dtype if layout.float_zero else np.uint8)
+            node.inputs[row.zero_points] = parts.constant("zero_points", layout.zero_points,
+                                                          f"{layout.zero_points.name}.folded_for.{activation.name}",
+                                                          layout.zero_points.shape,
+                                                          layout.scale_dtype if layout.float_zero else np.uint8)
         return []
 
     error = error_from_sums(squared_error, squared_norm, own_variance, ratio)

@@ -1,12 +1,16 @@
 /*
  * FlashNorm kernel library: C ABI.
  *
- *   y = (x · W*) ⊙ rsqrt(mean(x², axis=-1) + eps)      per row of x
+ *   y = (x · W*) ⊙ s + bias      per row of x, s the row's statistic:
+ *   RMS (RMSNorm):          s = rsqrt(mean(x², axis=-1) + eps)
+ *   variance (LayerNorm):   s = rsqrt(mean((x − mean(x))², axis=-1) + eps)
  *
  * x is [M, K] row-major, W* is [K, N] row-major (the ONNX MatMul layout, the norm's gain
- * already folded in). The N columns may be split into several outputs [M, N_i] (q|k|v,
- * gate|up), each written straight to its own buffer. Inputs and outputs share one dtype;
- * accumulation and the RMS are fp32.
+ * already folded in; for the variance, W*'s columns also centred, 1ᵀW* = 0, so that
+ * x·W* = (x − mean(x))·W* and no mean is subtracted). The N columns may be split into several
+ * outputs [M, N_i] (q|k|v, gate|up), each written straight to its own buffer. Inputs and outputs
+ * share one dtype; accumulation, the statistic and the bias (N floats, or none) are fp32, and
+ * each output element is rounded once: y = cast((x·W*)[r, j] · s_r + bias[j]).
  *
  * Every front end (TensorRT plugin, Python binding, tests) calls only this header.
  */
@@ -42,18 +46,22 @@ typedef enum flashnorm_strategy
                                           threshold (measured on H200) is in dispatch/dispatch.cpp, its
                                           picks over a grid of shapes and multiprocessor counts in
                                           tests/plugins/golden/auto_dispatch.csv */
-    FLASHNORM_STRATEGY_TWO_STREAM = 1, /* cuBLASLt GEMM on the caller's stream ‖ RMS on a side stream */
-    FLASHNORM_STRATEGY_FUSED = 2,      /* one kernel: GEMV + sum(x²) + scale in its epilogue */
-    FLASHNORM_STRATEGY_PRENORM = 3,    /* x̂ = x ⊙ rsqrt(mean(x²)+eps) into the workspace (one rounding to
-                                          the I/O dtype), then one cuBLASLt GEMM per run of consecutive
-                                          equal-width splits (batched over the run) writing the outputs
-                                          directly (all runs but the widest on the side stream, joined
-                                          before the call returns); for large M, where a pass over the
-                                          N-wide output costs more than one over the K-wide input */
-    FLASHNORM_STRATEGY_EPILOGUE_SCALE = 4, /* one CUTLASS sm90 GEMM scaling each row by rsqrt(mean(x²)+eps)
-                                          and storing each split straight into its output. On some
+    FLASHNORM_STRATEGY_TWO_STREAM = 1, /* cuBLASLt GEMM on the caller's stream ‖ the statistic on a side
+                                          stream; the post-scale adds the bias */
+    FLASHNORM_STRATEGY_FUSED = 2,      /* one kernel: GEMV + the row sums + scale and bias in its epilogue */
+    FLASHNORM_STRATEGY_PRENORM = 3,    /* x̂ = x ⊙ s (variance: (x − mean x) ⊙ s) into the workspace (one
+                                          rounding to the I/O dtype), then one cuBLASLt GEMM per run of
+                                          consecutive equal-width splits (batched over the run) writing
+                                          the outputs directly, the bias in its epilogue (fp32 where
+                                          cuBLASLt takes it, else rounded to the I/O dtype first: the
+                                          arithmetic of F.layer_norm + F.linear); all runs but the widest
+                                          on the side stream, joined before the call returns; for large
+                                          M, where a pass over the N-wide output costs more than one over
+                                          the K-wide input */
+    FLASHNORM_STRATEGY_EPILOGUE_SCALE = 4, /* one CUTLASS sm90 GEMM scaling each row by its statistic, adding
+                                          the bias and storing each split straight into its output. On some
                                           tiles (dispatch/dispatch.cpp says which) its main loop sums
-                                          the rows' squares from the x tiles it loads; on the others a
+                                          the rows from the x tiles it loads; on the others a
                                           reduction kernel runs first and the GEMM, launched after it
                                           with programmatic dependent launch, overlaps it and waits for
                                           it before its epilogue.
@@ -67,6 +75,15 @@ typedef enum flashnorm_strategy
                                           two_stream instead where the device or the pointers
                                           refuse it */
 } flashnorm_strategy;
+
+/* The statistic the row scale divides by (flashnorm_problem.statistic). */
+typedef enum flashnorm_statistic
+{
+    FLASHNORM_STATISTIC_RMS = 0,      /* RMSNorm: rsqrt(mean(x²) + eps) */
+    FLASHNORM_STATISTIC_VARIANCE = 1, /* LayerNorm with W* centred: rsqrt(mean((x − mean x)²) + eps), from
+                                         sums shifted by the row's first element (kernels/DESIGN.md,
+                                         "The statistic's numerics") */
+} flashnorm_statistic;
 
 typedef enum flashnorm_status
 {
@@ -98,6 +115,8 @@ typedef struct flashnorm_problem
     flashnorm_strategy strategy;
     int32_t multiprocessors;                     /* the device AUTO picks for: 0, the device's own (see
                                                     below); n > 0, a device of n multiprocessors */
+    flashnorm_statistic statistic;               /* RMS (0, what a zero-initialized problem holds) or
+                                                    variance; AUTO picks alike for both */
 } flashnorm_problem;
 
 /* AUTO's pick, and with it the workspace it needs, depends on the multiprocessors of the device
@@ -133,22 +152,23 @@ FLASHNORM_API int32_t flashnorm_current_multiprocessors(void);
  * plan serialized without it sized its workspace for this count). */
 FLASHNORM_API int32_t flashnorm_measured_multiprocessors(void);
 
-/* Enqueues y_i = (x · W*)[:, cols_i] ⊙ rsqrt(mean(x²)+eps) on `stream`. Asynchronous; returns
- * before the GPU finishes. outputs[i] points to an [m, split_sizes[i]] row-major buffer. */
+/* Enqueues y_i = (x · W*)[:, cols_i] ⊙ s + bias[cols_i] on `stream`, s the problem's statistic of each
+ * row. Asynchronous; returns before the GPU finishes. outputs[i] points to an [m, split_sizes[i]]
+ * row-major buffer; bias is NULL (none) or n fp32 values in device memory. */
 FLASHNORM_API flashnorm_status flashnorm_matmul(flashnorm_context* context, flashnorm_problem const* problem,
-    void const* x, void const* w, void* const* outputs, void* workspace, size_t workspace_bytes,
+    void const* x, void const* w, float const* bias, void* const* outputs, void* workspace, size_t workspace_bytes,
     cudaStream_t stream);
 
 /* The same with the residual add in front of the norm, as a decoder layer has it: sum = x + residual
  * (each element added in fp32 and rounded once to the dtype, as that add in the dtype computes) is
- * written to `sum` and is the norm's input: y_i = (sum · W*)[:, cols_i] ⊙ rsqrt(mean(sum²)+eps).
+ * written to `sum` and is the norm's input: y_i = (sum · W*)[:, cols_i] ⊙ s(sum) + bias[cols_i].
  * x, residual and sum are [m, k] row-major; sum overlaps neither x nor residual. The fused strategy
  * forms the sum as it reads x and writes it from the same kernel (a decode step's add then costs no
  * launch of its own); the others add in a kernel first and read the sum. Workspace as for
  * flashnorm_matmul. */
 FLASHNORM_API flashnorm_status flashnorm_add_matmul(flashnorm_context* context, flashnorm_problem const* problem,
-    void const* x, void const* residual, void* sum, void const* w, void* const* outputs, void* workspace,
-    size_t workspace_bytes, cudaStream_t stream);
+    void const* x, void const* residual, void* sum, void const* w, float const* bias, void* const* outputs,
+    void* workspace, size_t workspace_bytes, cudaStream_t stream);
 
 FLASHNORM_API char const* flashnorm_status_string(flashnorm_status status);
 

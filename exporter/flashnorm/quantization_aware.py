@@ -1,6 +1,9 @@
-"""Folding a gain into a weight that will be quantized afterwards: predict, per site, whether
-the fold raises the quantization error, and keep the gain where it does
-(`flashnorm optimize --passes fold --for-quantization FORMAT`).
+"""Which norm sites to fold before a later quantizer: the one selection behind `flashnorm optimize
+--passes fold --for-quantization FORMAT` and `flashnorm fold-checkpoint --for-quantization FORMAT`
+(and the deprecated `fold-checkpoint --int8-limit`). Each caller hands `Rule.select` its
+foldable sites as `Candidate`s (a gain and a way to read the consumers' float weights); the rule
+says which keep their gains, and why. Only numpy: the ONNX fold and the checkpoint fold both
+import it, neither imports the other.
 
 Folding is exact in float, but a quantizer that runs after it sees diag(g)·W instead of W.
 With blocks along K (the channels g runs over), each block's scale follows its large-g rows
@@ -25,13 +28,21 @@ This predicts the quantizer's
 *weight* error only: a quantizer that also scales activations (AWQ, SmoothQuant,
 static int8/fp8 activation scales) sees other statistics, and the route is measured with the
 real quantizer in docs/QUANTIZATION.md.
+
+`--int8-limit RATIO` (fold-checkpoint only, deprecated) is a second, older estimate of the same
+question for int8 per-channel weights (`int8_error_estimate`: the consumers' median row range
+growth over the gain's RMS, kept where it exceeds RATIO); it is kept working for one release
+through `Rule`, and `--for-quantization int8` replaces it.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from typing import Callable, Iterable, Optional, Sequence
 
 import numpy as np
+
+from flashnorm.errors import FlashNormError
 
 
 @dataclasses.dataclass(frozen=True)
@@ -140,3 +151,96 @@ def select_sites(errors: list[SiteError], fmt: QuantFormat, share: float | None 
         keep[e.name] = (f"kept the gain for {fmt.name} quantization: folding raises its consumers' predicted "
                         f"error more than the {share:.1%} the selection spends (predicted_error_ratio)")
     return keep
+
+
+def int8_error_estimate(row_growth_medians: Sequence[float], gain: np.ndarray) -> float:
+    """By how much folding `gain` raises int8 per-channel weight quantization error at one
+    site, from the weights alone (the deprecated `--int8-limit`'s estimate). A consumer row's
+    quantization step is its largest |w|, which the fold multiplies by that row's range growth;
+    the error it causes scales with the step times the norm of the row's input, which the fold
+    divides by about the gain's RMS (x∘g before, x after, for an x of even magnitude across
+    channels). The median row of the worst consumer. On SmolLM2-135M it ranks the sites whose
+    unfolding brings the measured int8 logits error back under 1.1× (docs/CHECKPOINTS.md)."""
+    rms = float(np.sqrt(np.mean(np.square(np.asarray(gain, dtype=np.float64)))))
+    return max(row_growth_medians) / rms if rms > 0 else float("inf")
+
+
+def row_growth_median(weight: np.ndarray, gain: np.ndarray, gain_axis: int) -> Optional[float]:
+    """The median over output channels of max|w·g| / max|w| (the lower median, as torch.median
+    takes it), rows whose ratio is not finite left out; None when none is."""
+    w = np.abs(np.asarray(weight, dtype=np.float64))
+    g = np.abs(np.asarray(gain, dtype=np.float64)).reshape((-1, 1) if gain_axis == 0 else (1, -1))
+    with np.errstate(divide="ignore", invalid="ignore"):
+        ratio = (w * g).max(axis=gain_axis) / w.max(axis=gain_axis)
+    ratio = np.sort(ratio[np.isfinite(ratio)])
+    return float(ratio[(ratio.size - 1) // 2]) if ratio.size else None
+
+
+@dataclasses.dataclass(frozen=True)
+class Candidate:
+    """A foldable site as the selection sees it."""
+
+    name: str
+    gain: np.ndarray
+    """The effective gain, float64 [K]."""
+
+    weights: Callable[[], list[tuple[np.ndarray, int]]]
+    """Reads each consumer's float weight as a later quantizer would see it, unfolded, with the
+    axis its gain runs over (0: [K, N] as ONNX MatMul stores it; 1: [N, K], nn.Linear)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Selection:
+    kept: dict[str, str]
+    """Sites that keep their gains, each with its reason."""
+
+    estimates: dict[str, float]
+    """Every candidate's estimate (rounded to 4 digits), under `Rule.estimate_name`."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Rule:
+    """Which sites to fold before a later quantizer: by `format`'s simulated round-to-nearest and
+    the error share (`--for-quantization`), or by the deprecated int8 estimate's `int8_limit`."""
+
+    format: Optional[QuantFormat] = None
+    int8_limit: Optional[float] = None
+    share: Optional[float] = None
+    """The error share of the selection; None: the format's (`QuantFormat.share`)."""
+
+    @property
+    def estimate_name(self) -> str:
+        """The report field each site's estimate goes in."""
+        return "predicted_error_ratio" if self.format is not None else "int8_error_estimate"
+
+    def select(self, candidates: Iterable[Candidate]) -> Selection:
+        """Reads each candidate's weights once, in order (wrap `candidates` to show progress)."""
+        if self.format is not None:
+            errors = [site_error(c.name, c.weights(), c.gain, self.format) for c in candidates]
+            return Selection(select_sites(errors, self.format, self.share), {e.name: round(e.ratio, 4) for e in errors})
+        kept, estimates = {}, {}
+        for c in candidates:
+            medians = [row_growth_median(values, c.gain, axis) for values, axis in c.weights()]
+            estimate = int8_error_estimate([1.0 if m is None else m for m in medians] or [1.0], c.gain)
+            estimates[c.name] = round(estimate, 4)
+            if estimate > self.int8_limit:
+                kept[c.name] = (f"folding would raise its consumers' int8 error about {estimate:.2f}× "
+                                f"(--int8-limit {self.int8_limit:g})")
+        return Selection(kept, estimates)
+
+
+def rule(for_quantization: Optional[str] = None, int8_limit: Optional[float] = None) -> Optional[Rule]:
+    """The selection `--for-quantization FORMAT` (or the deprecated `--int8-limit RATIO`) asks for;
+    None for neither. A bad value, or both at once, is one line (FlashNormError)."""
+    if for_quantization is not None and int8_limit is not None:
+        raise FlashNormError("--int8-limit and --for-quantization are two selections of the sites to fold; "
+                             "give one (--for-quantization int8 replaces the deprecated --int8-limit)")
+    if for_quantization is not None:
+        if for_quantization not in FORMATS:
+            raise FlashNormError(f"unknown quantization format {for_quantization!r}; choose from {', '.join(FORMATS)}")
+        return Rule(format=FORMATS[for_quantization])
+    if int8_limit is not None:
+        if not int8_limit >= 1.0:
+            raise FlashNormError(f"--int8-limit {int8_limit} is below 1 (the factor by which folding may raise int8 error)")
+        return Rule(int8_limit=float(int8_limit))
+    return None
