@@ -31,7 +31,7 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-from flashnorm.errors import FlashNormError
+from flashnorm.errors import EXIT_FAILED_CHECK, EXIT_INCONCLUSIVE, FlashNormError
 from flashnorm.validate import bootstrap
 
 MAX_EXTRA_RATIO = 1.1
@@ -237,9 +237,9 @@ def agreement(a: Sequence[int], b: Sequence[int]) -> int:
     return count
 
 
-EXIT_CODES = {bootstrap.WITHIN: 0, bootstrap.OVER: 1, bootstrap.INCONCLUSIVE: 4}
-"""`flashnorm compare --budget`'s exit code per verdict (2 stays a bad input, 3 an engine that
-cannot run here): 0 within the budget, 1 over it, 4 inconclusive (more text would settle it)."""
+EXIT_CODES = {bootstrap.WITHIN: 0, bootstrap.OVER: EXIT_FAILED_CHECK, bootstrap.INCONCLUSIVE: EXIT_INCONCLUSIVE}
+"""`flashnorm compare --budget`'s exit code per verdict (the CLI's table, flashnorm.errors):
+0 within the budget, 1 over it, 4 inconclusive (more text would settle it)."""
 
 
 @dataclasses.dataclass
