@@ -473,7 +473,7 @@ def markdown_tables(results: list[dict[str, Any]]) -> str:
     names = list(results[0]["texts"])
     header = ("| quantizer | route | sites folded | NLL | extra NLL | × unfolded extra, all texts (95 % interval), "
               "verdict | " + " | ".join(names) + " |")
-    lines = [header, "|" + "---|" * (5 + len(names))]
+    lines = [header, "|" + "---|" * (6 + len(names))]
     for result in results:
         for row in result["rows"]:
             if row["route"] == "fp32":

@@ -73,7 +73,9 @@ FORMATS: dict[str, QuantFormat] = {
                                                "builder default; MatMulNBitsQuantizer RTN asymmetric, --block_size "
                                                "32). Not held, quantize unfolded: MatMulNBitsQuantizer RTN symmetric "
                                                "--block_size 32", share=0.015),
-    "int8": QuantFormat("int8", 8, 0, "int8 weights, one scale per output channel (ModelOpt int8, TensorRT)"),
+    "int8": QuantFormat("int8", 8, 0, "int8 weights, one scale per output channel (ModelOpt int8, TensorRT; "
+                                      "ONNX Runtime's quantize_dynamic and quantize_static, whose default is one "
+                                      "scale per tensor, held too)"),
 }
 
 
