@@ -57,7 +57,8 @@ SHIPPED_TEXTS: dict[str, tuple[str, str]] = {
 """The texts that ship with the package (`--shipped-text NAME`; `all` for every one): name →
 (file under `data/`, what kind of writing it is)."""
 DEFAULT_SHIPPED_TEXT = "declaration"
-"""The text a single-text use takes (the half budget's `--shipped-text` before there were several)."""
+"""The text `--shipped-text` without a name takes (the half budget's text before there were
+several: each feed of the half budget holds both models' logits, 9 GB for this one)."""
 
 
 def shipped_text(name: str = DEFAULT_SHIPPED_TEXT) -> str:
