@@ -37,8 +37,11 @@ def test_a_gain_of_even_magnitude_costs_nothing(rng):
     # A gain constant inside each block scales that block's step with it: nothing lost either.
     per_block = np.repeat([0.05, 3.0], 128)
     assert fold_error(w, per_block, INT4).ratio == pytest.approx(1.0, rel=1e-9)
-    # ... but per output channel (int8: one block of all of K) it costs.
-    assert fold_error(w, per_block, FORMATS["int8"]).ratio > 1.2  # about √2: half the rows lose their step
+    # ... but per output channel (int8: one block of all of K) it costs: about √2, half the rows lose
+    # their step. The ratio is a mean over W's columns: over 8 it ranged 1.10-1.45 in 200 draws
+    # (1.19 at seed 1656904017), over 64 1.27-1.38.
+    wide = rng.standard_normal((256, 64))
+    assert fold_error(wide, per_block, FORMATS["int8"]).ratio > 1.2
 
 
 def test_a_gain_spread_inside_a_block_raises_the_error(rng):

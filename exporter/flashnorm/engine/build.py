@@ -119,8 +119,9 @@ def _profile(trt: Any, builder: Any, network: Any, shapes: Mapping[str, ShapeRan
 
 def network_summary(trt: Any, network: Any, flashnorm_nodes: Sequence[str]) -> dict[str, Any]:
     """What TensorRT's parser made of the model: layers by type, and the layers that carry the
-    norms: one mean-of-squares reduction (REDUCE, AVG) per norm computed from its
-    decomposition, one plugin layer per FlashNormMatMul node that runs the plugin."""
+    norms: the mean reductions (REDUCE, AVG) of the norms computed from their decomposition (one per
+    RMSNorm, two per LayerNorm or FlashNormMatMul reference body: its mean, then its mean of
+    squares), one plugin layer per FlashNormMatMul node that runs the plugin."""
     types: collections.Counter[str] = collections.Counter()
     mean_reductions, plugin_layers = 0, []
     reduce_layer = getattr(trt, "IReduceLayer", None)

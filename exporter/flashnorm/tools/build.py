@@ -66,7 +66,8 @@ def format_text(report: dict[str, Any], verbose: bool = False) -> str:
         f"{report['tensorrt']}, {report['build_seconds']} s)",
         f"  FlashNormMatMul: {report['flashnorm_plugin_layers']} of {report['flashnorm_nodes']} nodes run the plugin",
         f"  network: {network['layers']} layers ({types})",
-        f"  norms: {network['mean_reductions']} mean-of-squares reductions, "
+        f"  norms: {network['mean_reductions']} mean reductions (one per RMSNorm, two per LayerNorm or "
+        f"FlashNormMatMul reference body), "
         f"{network['flashnorm_plugin_layers']} FlashNorm plugin layers",
         f"  profile: {profile}",
     ]
