@@ -2,8 +2,10 @@
 ONNX quantization (`python -m modelopt.onnx.quantization`) and onnxruntime-genai's model builder
 (`python -m onnxruntime_genai.models.builder`), each in the Python environment that holds them
 (`pip install -e ".[quantize]"`, or the separate venv `.ci/quantize-env.sh` makes: ModelOpt pins
-an older onnx than FlashNorm's). Shared by benchmarks/quantized_budget.py, tests/quantize and
-samples/quantized_smollm2.py.
+an older onnx than FlashNorm's); ONNX Runtime's own quantizers (`python -m
+onnxruntime.quantization.matmul_nbits_quantizer`, `quantize_dynamic`, `quantize_static`) in
+any Python with onnxruntime, FlashNorm's included. Shared by benchmarks/quantized_budget.py,
+tests/quantize and samples/quantized_smollm2.py.
 
 The environment: `--quantize-python PATH`, else `$FLASHNORM_QUANTIZE_VENV/bin/python`, else this
 Python when it imports both producers.
@@ -70,6 +72,50 @@ def genai_builder(python: str, hf_dir: Path, output_dir: Path, *, precision: str
     output_dir.mkdir(parents=True, exist_ok=True)
     seconds = _run(command, output_dir.parent / f"{output_dir.name}.log", timeout)
     return {"command": _shown(command), "seconds": seconds, "model": str(output_dir / "model.onnx")}
+
+
+def ort_nbits(python: str, source: Path, output: Path, *, block: int, symmetric: bool, method: str = "default",
+              timeout: float = 3600) -> dict[str, Any]:
+    """ONNX Runtime's MatMulNBitsQuantizer (int4 weight-only, blocks of `block` along K) through its
+    command line; `method` 'default' is round-to-nearest, 'hqq' half-quadratic (asymmetric only)."""
+    command = [python, "-m", "onnxruntime.quantization.matmul_nbits_quantizer", "--input_model", str(source),
+               "--output_model", str(output), "--block_size", str(block), "--quant_method", method]
+    if method != "hqq":
+        command += ["--symmetric", str(symmetric)]
+    seconds = _run(command, output.with_suffix(".log"), timeout)
+    return {"command": _shown(command), "seconds": seconds}
+
+
+_ORT_INT8 = """
+import sys, numpy as np
+from onnxruntime.quantization import CalibrationDataReader, QuantFormat, QuantType, quantize_dynamic, quantize_static
+mode, source, output, calibration = sys.argv[1:5]
+if mode == "dynamic":
+    quantize_dynamic(source, output, weight_type=QuantType.QInt8, op_types_to_quantize=["MatMul"])
+else:
+    class Reader(CalibrationDataReader):
+        def __init__(self):
+            data = np.load(calibration)
+            self.items = iter([{name: data[name] for name in data.files}])
+        def get_next(self):
+            return next(self.items, None)
+    quantize_static(source, output, Reader(), quant_format=QuantFormat.QDQ, op_types_to_quantize=["MatMul"],
+                    nodes_to_exclude=sys.argv[5:])
+"""
+
+
+def ort_int8(python: str, source: Path, output: Path, *, mode: str, calibration: Path | None = None,
+             exclude: Sequence[str] = (), timeout: float = 3600) -> dict[str, Any]:
+    """ONNX Runtime's int8 quantizers on the MatMuls, otherwise at their defaults: `mode` 'dynamic'
+    (`quantize_dynamic`: int8 weights, one scale per tensor; each activation quantized per call by
+    DynamicQuantizeLinear) or 'static' (`quantize_static`, QDQ: int8 weights per tensor, uint8
+    activations with scales calibrated on the `calibration` .npz, MinMax; `exclude`: node names
+    left float)."""
+    command = [python, "-c", _ORT_INT8, mode, str(source), str(output), str(calibration or ""), *exclude]
+    seconds = _run(command, output.with_suffix(".log"), timeout)
+    shown = (f"quantize_static(quant_format=QDQ, op_types_to_quantize=['MatMul'], {len(exclude)} nodes excluded)"
+             if mode == "static" else "quantize_dynamic(weight_type=QInt8, op_types_to_quantize=['MatMul'])")
+    return {"command": f"onnxruntime.quantization.{shown}", "seconds": seconds}
 
 
 _GENAI_GREEDY = """

@@ -8,11 +8,11 @@ docs/QUANTIZATION.md end to end.
 3. quantize the unfolded and the selectively folded model with NVIDIA ModelOpt (int4 weight-only,
    rtn_dq, blocks of 128 along K), in the quantize environment (`.ci/quantize-env.sh`, found
    through FLASHNORM_QUANTIZE_VENV: ModelOpt pins an older onnx than FlashNorm);
-4. judge the folded quantized model by the NLL budget on the shipped public-domain text
+4. judge the folded quantized model by the NLL budget on the four shipped public-domain texts
    (`flashnorm compare --budget`): its extra NLL over the fp32 model at most 1.1× the unfolded
-   quantized model's.
+   quantized model's, judged by the ratio's 95 % interval.
 
-Exit code 0 within the budget, 1 over it. About 10 minutes on two cores.
+Exit code compare's: 0 within the budget, 1 over it, 4 inconclusive. About 15 minutes on two cores.
 """
 
 import json

@@ -56,6 +56,11 @@ def pytest_collection_modifyitems(config, items):
     for name, nodeid in last_user.items():
         release_after.setdefault(nodeid, []).append(name)
     config.stash[_RELEASE_AFTER] = release_after
+    # The fast loop (-m "not slow") never exports a real model: a test that needs one is slow.
+    unmarked = sorted(item.nodeid for item in items
+                      if "slow" not in item.keywords and _CACHED_MODELS.intersection(item.fixturenames))
+    if unmarked:
+        raise pytest.UsageError(f"mark these tests @pytest.mark.slow: they need a real-model export: {unmarked}")
     if _cuda_available():
         return
     skip_gpu = pytest.mark.skip(reason="no CUDA device on this machine")

@@ -5,9 +5,15 @@ go to docs/history/), so each stays under MAX_LINES and dates its figures with a
 Every relative markdown link in README.md, docs/*.md and DESIGN.md must name an existing file, and
 a #fragment an existing heading of that file (GitHub's slug rules). docs/history/ is verbatim
 record and is not checked: its links are those of the day it was written.
+
+Code points at docs too: a comment or docstring that names a page by path ("docs/X.md",
+"kernels/DESIGN.md") must name one that exists, and where it names a section ("docs/X.md#anchor",
+'docs/X.md, "Heading"', "docs/X.md section 7", "(kernels/DESIGN.md, prenorm)") that section must
+be a heading of that page, so that a section moved to docs/history/ takes its pointers with it.
 """
 
 import re
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -100,3 +106,83 @@ def test_relative_links_resolve(page):
         elif fragment and linked.suffix == ".md" and fragment not in anchors(linked):
             broken.append(f"{where} (no heading with that anchor)")
     assert not broken, "\n".join(broken)
+
+
+# ── pointers from code to docs ──────────────────────────────────────────────────────────────────
+
+CODE_SUFFIXES = (".py", ".cu", ".cuh", ".h", ".cpp", ".sh", ".cmake", ".toml", "CMakeLists.txt")
+# A page named by a path with at least one folder (docs/X.md, kernels/DESIGN.md), not a written
+# file's name ($OUT/kernels.md) nor a placeholder (DIR/tiles.md, REPO/README.md); then the section:
+# #anchor, a quoted heading, "section N", or one word after a comma closing the parentheses. This
+# file's own examples are not pointers.
+_POINTER = re.compile(
+    r"(?<![\w$/{}.-])((?:[\w.-]+/)+[\w.-]+\.md)"
+    r"(?:#(?P<anchor>[\w-]+)"
+    r"|[ ,(]{1,3}\"(?P<quoted>[^\"\n]+)\""
+    r"|,? section (?P<number>\d+)"
+    r"|, (?P<word>\w+)\))?"
+)
+
+
+def _tracked_files() -> list[str]:
+    listed = subprocess.run(["git", "-C", str(ROOT), "ls-files"], capture_output=True, text=True)
+    if listed.returncode:
+        pytest.skip("not a git checkout")
+    return listed.stdout.split()
+
+
+def _headings(path: Path) -> list[str]:
+    return [m.group(2) for _, line in _prose_lines(path.read_text(encoding="utf-8")) if (m := _HEADING.match(line))]
+
+
+def code_pointers():
+    """(where, page path as written, the page it resolves to or None, the section part)."""
+    tracked = _tracked_files()
+    pages = [f for f in tracked if f.endswith(".md")]
+    for name in tracked:
+        if not name.endswith(CODE_SUFFIXES) or name.startswith("docs/history/") or name == "tests/test_docs.py":
+            continue
+        source = ROOT / name
+        for number, line in enumerate(source.read_text(encoding="utf-8", errors="replace").splitlines(), 1):
+            for match in _POINTER.finditer(line):
+                written = match.group(1)
+                if written.split("/")[0].isupper():  # DIR/…, REPO/…: a placeholder
+                    continue
+                candidates = [ROOT / written, source.parent / written]
+                candidates += [ROOT / page for page in pages if page.endswith("/" + written)]
+                page = next((c for c in candidates if c.is_file()), None)
+                yield f"{name}:{number}", written, page, match
+
+
+def test_code_pointers_to_docs_resolve():
+    broken, checked_sections = [], 0
+    for where, written, page, match in code_pointers():
+        if page is None:
+            broken.append(f"{where}: {written} (no such page)")
+            continue
+        headings = _headings(page)
+        anchor, quoted, number, word = (match.group(k) for k in ("anchor", "quoted", "number", "word"))
+        if anchor and anchor not in anchors(page):
+            broken.append(f"{where}: {written}#{anchor} (no heading with that anchor)")
+        elif quoted and not any(h.startswith(quoted.rstrip("…. ")) for h in headings):
+            broken.append(f"{where}: {written}, \"{quoted}\" (no heading starts so; moved to docs/history/?)")
+        elif number and not any(re.match(rf"{number}\.? ", h) for h in headings):
+            broken.append(f"{where}: {written} section {number} (no heading numbered so)")
+        elif word and not any(word.lower() in h.lower() for h in headings):
+            broken.append(f"{where}: {written}, {word} (no heading names it; moved to docs/history/?)")
+        checked_sections += bool(anchor or quoted or number or word)
+    assert not broken, "\n".join(broken)
+    assert checked_sections >= 5, "the pattern no longer finds the code's section pointers"
+
+
+def test_code_pointer_pattern():
+    def parts(text):
+        match = _POINTER.search(text)
+        return match.group(1), {k: v for k, v in match.groupdict().items() if v}
+
+    assert parts('// (kernels/DESIGN.md, "Launch-level variants").') == (
+        "kernels/DESIGN.md", {"quoted": "Launch-level variants"})
+    assert parts("see docs/TENSORRT.md section 7).") == ("docs/TENSORRT.md", {"number": "7"})
+    assert parts("idle (kernels/DESIGN.md, prenorm): the") == ("kernels/DESIGN.md", {"word": "prenorm"})
+    assert parts("docs/QUANTIZATION.md#the-budget") == ("docs/QUANTIZATION.md", {"anchor": "the-budget"})
+    assert _POINTER.search('(args.out / "kernels.md")') is None and _POINTER.search('"$OUT/kernels.md"') is None

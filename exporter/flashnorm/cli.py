@@ -3,7 +3,8 @@ defines `add_arguments(parser)`, `run(args) -> dict` and optionally
 `format_text(report, verbose) -> str`; option groups several commands share are defined once
 in `flashnorm.tools.options`. This file parses, calls, prints the report, and turns every
 way a command can end into one line and an exit status: a FlashNormError or a refusal of the
-system (exit 2), a failed check (1, the tool's `verdict(report)` line), a signal (130, 143),
+system (exit 2), a failed check (1, the tool's `verdict(report)` line), an inconclusive one
+(4: compare --budget's interval spans its line, the same line), a signal (130, 143),
 a closed standard output (141, silently), and anything unexpected, a bug (70, the traceback in
 a log file the line names). No traceback reaches the terminal."""
 
@@ -22,7 +23,8 @@ from pathlib import Path
 from typing import Any, NoReturn, Sequence
 
 from flashnorm import __version__, signals
-from flashnorm.errors import EXIT_BAD_INPUT, EXIT_BROKEN_PIPE, EXIT_BUG, EXIT_FAILED_CHECK, FlashNormError, write_bug_log
+from flashnorm.errors import (EXIT_BAD_INPUT, EXIT_BROKEN_PIPE, EXIT_BUG, EXIT_FAILED_CHECK, EXIT_INCONCLUSIVE, FlashNormError,
+                              write_bug_log)
 from flashnorm.paths import Output, check_paths
 from flashnorm.progress import Progress
 from flashnorm.tools.options import add_output_options
@@ -213,7 +215,7 @@ def _say(command: str, label: str, message: str) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run one command line; returns the exit status (README, "Exit status"): 0, 1 a failed
-    check, 2 a refused input or option, 3 not compared, 70 a bug (its traceback in a log file
+    check, 2 a refused input or option, 3 not compared, 4 inconclusive, 70 a bug (its traceback in a log file
     the line names), 130/143 stopped by SIGINT/SIGTERM, 141 standard output closed early."""
     argv = list(sys.argv[1:] if argv is None else argv)
     command = next((a for a in argv if a in COMMANDS), "")
@@ -299,8 +301,11 @@ def _main(argv: list[str]) -> int:
             _write(sys.stdout, format_text(plain, verbose=args.verbose))
         else:
             _write(sys.stdout, "\n".join(_text(plain)) if isinstance(plain, (dict, list)) else str(plain))
+    verdict = getattr(tool, "verdict", None)
+    if isinstance(report, dict) and report.get("exit_code") == EXIT_INCONCLUSIVE:
+        _say(args.command, "inconclusive", verdict(plain) if verdict is not None else "the check is inconclusive")
+        return EXIT_INCONCLUSIVE
     if isinstance(report, dict) and report.get("passed") is False:
-        verdict = getattr(tool, "verdict", None)
         _say(args.command, "failed", verdict(plain) if verdict is not None else "the check failed (see the report)")
         return EXIT_FAILED_CHECK
     return 0

@@ -16,6 +16,9 @@ EXIT_BAD_INPUT = 2
 """A bad or unsupported input or option, or the system refused a read or write: one line."""
 EXIT_NOT_COMPARED = 3
 """compare: the engine was built but cannot run here, so nothing was compared."""
+EXIT_INCONCLUSIVE = 4
+"""compare --budget on a quantized pair: the ratio's 95 % interval spans the budget's line, so
+neither within nor over; the report says how much more text would settle it."""
 EXIT_BUG = 70
 """EX_SOFTWARE (sysexits.h): an exception flashnorm did not expect, i.e. a bug in flashnorm."""
 EXIT_BROKEN_PIPE = 141

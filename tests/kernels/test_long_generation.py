@@ -36,12 +36,12 @@ its GEMM launched early by programmatic dependent launch) and delay their reduct
 (`set_side_delay`), so that a missing join (event wait, griddepcontrol.wait) reads a stale buffer
 on every call; it passes on a
 normal build and must fail on the mutation build (`-DFLASHNORM_TESTING_DROP_JOIN=ON`,
-benchmarks/run_gpu.sh checks both).
+plugins/flashnorm/tests/run_gpu.sh checks both).
 
 Runtime: six 1024-token runs with random weights (fp32 and bf16 reference, four FlashNorm
 variants) and five with the real ones (two references, three variants), each 18-32 s on the H200
 machine (eager transformers at batch 1: 20-30 ms a step).
-benchmarks/run_gpu.sh runs the variants in parallel (pytest -n 4): 120 s measured, with the
+plugins/flashnorm/tests/run_gpu.sh runs the variants in parallel (pytest -n 4): 120 s measured, with the
 mutant run sharing the GPU (docs/BENCHMARKS.md, "Long generation").
 
 The CPU tests check the harness itself, on a small random model and on the real one: the same

@@ -27,7 +27,8 @@ import quantizers  # noqa: E402
 
 pytest.importorskip("torch")
 PYTHON = quantizers.quantize_python()
-pytestmark = pytest.mark.skipif(PYTHON is None, reason=quantizers.missing_reason())
+# Minutes on two cores (ModelOpt and the builder each start torch): out of the fast loop; CI runs it.
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(PYTHON is None, reason=quantizers.missing_reason())]
 
 IDS = np.random.default_rng(0).integers(3, 384, 96).tolist()
 
@@ -54,7 +55,8 @@ def _budget(tmp_path, fp32, reference, candidate) -> dict:
                      ",".join(map(str, IDS)), "--optimization-level", "basic", "--generate", "8",
                      "--report", str(report), "-q"])
     result = json.loads(report.read_text())["quantized_budget"]
-    assert code == (0 if result["passed"] else 1)
+    assert code == result["exit_code"] == {"within": 0, "over": 1, "inconclusive": 4}[result["verdict"]]
+    assert result["interval"]["low"] <= result["interval"]["estimate"] <= result["interval"]["high"]
     assert all(np.isfinite([result["float_nll"], result["reference_nll"], result["candidate_nll"]]))
     assert len(result["candidate_greedy"]) == 8
     return result

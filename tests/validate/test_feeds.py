@@ -8,21 +8,25 @@ import pytest
 from flashnorm import cli
 from flashnorm.validate.feeds import FeedOptions, build_feeds
 from flashnorm.validate.inputs import tokenize
-from flashnorm.validate.likelihood import shipped_text
+from flashnorm.validate.likelihood import SHIPPED_TEXTS, shipped_text
 
 
 @pytest.mark.slow
 def test_shipped_text_is_the_same_positions_whatever_the_seed(smollm2_onnx, smollm2_tokenizer, rng):
-    """--shipped-text: the package's public-domain text through the model's tokenizer (recorded by
+    """--shipped-text NAME: that public-domain text through the model's tokenizer (recorded by
     `flashnorm export`), whatever --seed draws, so a budget's verdict does not vary by draw; the
-    report names the text instead of printing its 2 000 tokens."""
-    expected = tokenize(shipped_text(), smollm2_tokenizer)
+    report names the text instead of printing its 2 000 tokens. Without NAME: every shipped text,
+    one feed each."""
+    expected = tokenize(shipped_text("declaration"), smollm2_tokenizer)
     for seed in rng.integers(2**32, size=2):
-        options = FeedOptions(shipped_text=True, seed=int(seed))
+        options = FeedOptions(shipped_text="declaration", seed=int(seed))
         feeds, description, ids = build_feeds(smollm2_onnx, smollm2_onnx, options)
-        assert np.array_equal(ids, expected) and np.array_equal(feeds[0]["input_ids"], expected)
-        assert description["text"] == f"the shipped public-domain text ({expected.size} tokens)"
+        assert np.array_equal(ids, expected) and np.array_equal(feeds[0]["input_ids"], expected) and len(feeds) == 1
+        assert description["text"] == f"the shipped public-domain texts declaration ({expected.size} tokens)"
     assert expected.size > 1500
+    feeds, description, _ = build_feeds(smollm2_onnx, smollm2_onnx, FeedOptions(shipped_text="all"))
+    assert len(feeds) == len(SHIPPED_TEXTS) and all(f["input_ids"].size > 1500 for f in feeds)
+    assert all(name in description["text"] for name in SHIPPED_TEXTS)
 
 
 @pytest.mark.parametrize("other", [["--text", "hello"], ["--input-ids", "1,2,3"]])

@@ -13,6 +13,7 @@ import pytest
 from onnx import helper, numpy_helper
 
 from flashnorm import cli
+from flashnorm.errors import FlashNormError
 from flashnorm.progress import Progress
 from flashnorm.validate import likelihood
 from flashnorm.validate.runners import make_session
@@ -105,10 +106,23 @@ def test_quantized_ops_are_counted(trio):
     assert likelihood.quantized_ops(reference) == {"DequantizeLinear": 14}  # 7 per layer (the tied head is a Transpose)
 
 
-def test_shipped_text():
-    text = likelihood.shipped_text()
-    assert not text.startswith("#") and "Four score and seven years ago" in text
-    assert 1500 < len(text.split()) < 2000
+def test_shipped_texts():
+    """Four kinds of writing, each about 2 000 SmolLM2 tokens (the counts are in data/README.md;
+    5 800–9 700 characters), each header dropped and nothing else: code lines that start with
+    '#' stay."""
+    texts = {name: likelihood.shipped_text(name) for name in likelihood.SHIPPED_TEXTS}
+    assert set(texts) == {"declaration", "botchan", "midsummer", "sqlite"}
+    assert likelihood.shipped_text() == texts["declaration"] and "Four score and seven years ago" in texts["declaration"]
+    assert texts["botchan"].startswith("CHAPTER I\nBecause of an hereditary recklessness")
+    assert texts["midsummer"].startswith("ACT I") and "THESEUS" in texts["midsummer"]
+    assert texts["sqlite"].startswith("/*\n** 2001-09-15") and "\n#define SQLITE_VERSION " in texts["sqlite"]
+    for name, text in texts.items():
+        assert not text.startswith("#") and "Public domain:" not in text, name
+        assert 5_000 < len(text) < 10_000, (name, len(text))
+    assert likelihood.shipped_text_names(None) == likelihood.shipped_text_names("all") == list(texts)
+    assert likelihood.shipped_text_names("sqlite") == ["sqlite"]
+    with pytest.raises(FlashNormError, match="choose from declaration, botchan, midsummer, sqlite or all"):
+        likelihood.shipped_text_names("hamlet")
 
 
 def test_judge_nll_budget(trio):
@@ -141,3 +155,26 @@ def test_compare_budget_refuses_a_quantized_float_model(trio, capsys):
     fp32, reference, _ = trio
     assert cli.main(["compare", str(reference), str(reference), "--budget", str(reference), "--input-ids", "1,2,3"]) == 2
     assert "is not a float32 model" in capsys.readouterr().err
+
+
+def test_compare_budget_inconclusive_exits_4(trio, tmp_path, capsys):
+    """A line set at the candidate's own ratio: the interval spans it, exit 4, and the report
+    says how much text would settle it; the seed is printed and in the report."""
+    fp32, _, reference = trio  # the worse one: its extra NLL is positive, so there is a ratio
+    coarser = fake_quantized(fp32, tmp_path / "int8.coarser.onnx", scale_factor=1.5, head_factor=3.1)
+    ids = ",".join(map(str, _ids(96)))
+    argv = ["compare", str(reference), str(coarser), "--budget", str(fp32), "--input-ids", ids,
+            "--optimization-level", "basic", "--budget-segment", "8", "--budget-seed", "5"]
+    first = cli.main([*argv, "--budget-ratio", "100", "--report", str(tmp_path / "a.json")])
+    measured = json.loads((tmp_path / "a.json").read_text())["quantized_budget"]
+    assert first == 0 and measured["verdict"] == "within" and measured["bootstrap"]["seed"] == 5
+    interval = measured["interval"]
+    assert interval["statistic"] == "ratio" and interval["segments"] == 12
+    assert interval["low"] < interval["estimate"] < interval["high"]
+    capsys.readouterr()
+    line = f"{interval['estimate']:.6f}"
+    assert cli.main([*argv, "--budget-ratio", line, "--report", str(tmp_path / "b.json")]) == 4
+    out = capsys.readouterr().out
+    report = json.loads((tmp_path / "b.json").read_text())["quantized_budget"]
+    assert report["verdict"] == "inconclusive" and report["exit_code"] == 4 and not report["passed"]
+    assert "INCONCLUSIVE" in out and "seed 5" in out and "exit 4" in out

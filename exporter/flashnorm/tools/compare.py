@@ -7,9 +7,12 @@ tensors for every input, from its declared dtypes and shapes (`--input-shapes`, 
 With `--budget FP32.onnx`, a half-precision candidate is judged by the error budget of
 docs/HALF_PRECISION.md (against the fp32 model, next to the reference) instead of the
 tolerances; a quantized pair (either model has MatMulNBits, QuantizeLinear, DequantizeLinear...)
-by the NLL budget of docs/QUANTIZATION.md: the candidate's extra NLL over the fp32 model on a
-text (the shipped public-domain text, or `--text`/`--input-ids`) at most `--budget-ratio` times
-the reference's, with greedy tokens reported against both."""
+by the NLL budget of docs/QUANTIZATION.md: the candidate's extra NLL over the fp32 model on the
+texts (the public-domain texts flashnorm ships, `--shipped-text NAME`, `--text` or
+`--input-ids`) at most `--budget-ratio` times the reference's, judged by the ratio's 95 %
+interval (paired bootstrap over segments of the text, seeded): exit 0 within the budget, 1 over
+it, 4 inconclusive (the interval spans the line; the report says how much more text would
+settle it), with greedy tokens reported against both."""
 
 from __future__ import annotations
 
@@ -34,6 +37,7 @@ from flashnorm.tools.options import (
 from flashnorm.validate.budget import MAX_RATIO, MAX_TOP1_DROP_POINTS
 from flashnorm.validate.comparison import DEFAULT_ATOL, DEFAULT_MAX_REL_L2, DEFAULT_RTOL
 from flashnorm.validate.feeds import FeedOptions, build_feeds
+from flashnorm.validate.bootstrap import DEFAULT_BLOCK, DEFAULT_SEED
 from flashnorm.validate.likelihood import DEFAULT_WINDOW
 from flashnorm.validate.runners import OPTIMIZATION_LEVELS
 
@@ -54,10 +58,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "FP32_MODEL is the fp32 export of the same model; per output the candidate's rel L2 "
                              "error against it at most --budget-ratio times the reference's, and for logits its "
                              "top-1 agreement at most --budget-top1-points lower (docs/HALF_PRECISION.md). A "
-                             "quantized pair is judged by its NLL on a text instead: the candidate's extra NLL over "
+                             "quantized pair is judged by its NLL on real text instead: the candidate's extra NLL over "
                              "FP32_MODEL at most --budget-ratio times the reference's, or +0.002 nats where the "
-                             "reference's is ≤ 0 (docs/QUANTIZATION.md); the shipped public-domain text unless "
-                             "--text or --input-ids")
+                             "reference's is ≤ 0, judged by the ratio's 95 %% interval (docs/QUANTIZATION.md): exit "
+                             "0 within (the interval under the line), 1 over (above it), 4 inconclusive (it spans "
+                             "the line); every shipped public-domain text unless --shipped-text NAME, --text or "
+                             "--input-ids")
     limits.add_argument("--budget-ratio", type=positive(float), default=MAX_RATIO, metavar="R",
                         help=f"with --budget: the largest allowed error ratio (default {MAX_RATIO:g})")
     limits.add_argument("--budget-top1-points", type=at_least(0.0, float), default=MAX_TOP1_DROP_POINTS, metavar="P",
@@ -67,6 +73,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     limits.add_argument("--budget-window", type=at_least(1), default=DEFAULT_WINDOW, metavar="TOKENS",
                         help="quantized pairs under --budget: tokens per forward pass when measuring the NLL "
                              f"(the text is cut into windows of this many; default {DEFAULT_WINDOW})")
+    limits.add_argument("--budget-segment", type=at_least(1), default=DEFAULT_BLOCK, metavar="TOKENS",
+                        help="quantized pairs under --budget: tokens per segment the bootstrap resamples (contiguous, "
+                             f"so that neighbouring tokens' dependence is kept; default {DEFAULT_BLOCK})")
+    limits.add_argument("--budget-seed", type=at_least(0), default=DEFAULT_SEED, metavar="N",
+                        help=f"quantized pairs under --budget: the bootstrap's seed (default {DEFAULT_SEED}; printed "
+                             "and in the report)")
     limits.add_argument("--generate", type=at_least(0), default=0, metavar="N",
                         help="also generate N tokens greedily from both models on ONNX Runtime (even with "
                              "--trt/--engine: the engine is not run in a generation loop); fail if any differs")
@@ -162,10 +174,11 @@ def _quantized_pair(args: argparse.Namespace) -> bool:
 
 def run_quantized_budget(args: argparse.Namespace, providers: list[str]) -> dict[str, Any]:
     """`--budget` on a quantized pair: the NLL budget (validate/likelihood.py) on the shipped
-    text, `--text` or `--input-ids`, all three models on ONNX Runtime one after another."""
+    texts (all, or `--shipped-text NAME`), `--text` or `--input-ids`, all three models on ONNX
+    Runtime one after another. The report's `exit_code`: 0 within, 1 over, 4 inconclusive."""
     from flashnorm.validate.bfloat16 import FLOAT, precision
     from flashnorm.validate.inputs import parse_input_ids, tokenize, tokenizer_for
-    from flashnorm.validate.likelihood import judge_nll_budget, shipped_text
+    from flashnorm.validate.likelihood import SHIPPED_TEXTS, judge_nll_budget, shipped_text, shipped_text_names
 
     for path in (args.budget, args.reference, args.candidate):
         if not os.path.isfile(path):
@@ -179,16 +192,21 @@ def run_quantized_budget(args: argparse.Namespace, providers: list[str]) -> dict
         raise FlashNormError(f"--budget {args.budget} is not a float32 model: the quantized budget measures both "
                              "quantized models against the float export")
     if args.input_ids is not None:
-        ids, text = parse_input_ids(args.input_ids).reshape(-1), "--input-ids"
+        texts, text = {"--input-ids": parse_input_ids(args.input_ids).reshape(-1).tolist()}, "--input-ids"
+    elif args.text is not None:
+        tokenizer = tokenizer_for(args.budget, args.tokenizer)
+        texts, text = {"--text": tokenize(args.text, tokenizer).reshape(-1).tolist()}, "--text"
     else:
-        words = args.text if args.text is not None else shipped_text()
-        text = "--text" if args.text is not None else "the shipped public-domain text"
-        ids = tokenize(words, tokenizer_for(args.budget, args.tokenizer)).reshape(-1)
-    budget = judge_nll_budget(args.budget, args.reference, args.candidate, ids.tolist(), text=text,
+        names = shipped_text_names(args.shipped_text)
+        tokenizer = tokenizer_for(args.budget, args.tokenizer)
+        texts = {name: tokenize(shipped_text(name), tokenizer).reshape(-1).tolist() for name in names}
+        text = (f"the shipped text {names[0]} ({SHIPPED_TEXTS[names[0]][1]})" if len(names) == 1
+                else f"the {len(names)} shipped public-domain texts ({', '.join(names)})")
+    budget = judge_nll_budget(args.budget, args.reference, args.candidate, texts, text=text,
                               optimization_level=args.optimization_level, providers=providers,
                               window=args.budget_window, greedy=max(args.generate, 0) or 32,
-                              max_extra_ratio=args.budget_ratio)
-    return {"quantized_budget": budget.to_dict(), "passed": budget.passed}
+                              max_extra_ratio=args.budget_ratio, block=args.budget_segment, seed=args.budget_seed)
+    return {"quantized_budget": budget.to_dict(), "passed": budget.passed, "exit_code": budget.exit_code}
 
 
 def _is_quantized(path: str) -> bool:
@@ -217,8 +235,9 @@ def verdict(report: dict[str, Any]) -> str:
     replay = f"; seed {seed} (--seed {seed} replays these inputs)" if seed is not None else ""
     quantized = report.get("quantized_budget")
     if quantized:
-        return (f"the candidate's extra NLL {quantized['candidate_extra']:+.4g} nats is over the limit "
-                f"{quantized['limit']:+.4g} (quantized budget on {quantized['text']})")
+        from flashnorm.validate.bootstrap import describe
+
+        return f"quantized budget on {quantized['text']}: {describe(quantized['interval'])}"
     budget = report.get("budget")
     failing = [o for o in (budget or {}).get("outputs", []) if not o["passed"]]
     if budget and failing:

@@ -46,7 +46,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.set_defaults(int8_limit=None)
     parser.add_argument("--for-quantization", metavar="FORMAT", choices=sorted(FORMATS),
                         help="the checkpoint will be quantized after folding: fold only the norms whose fold is "
-                             "predicted to keep that quantizer's weight error within 1.5%% (as optimize "
+                             "predicted to keep that quantizer's weight error within the format's share (as optimize "
                              f"--for-quantization; {', '.join(sorted(FORMATS))}; int4-b32 for onnxruntime-genai's "
                              "builder default); each site's predicted error ratio is in the report")
     parser.add_argument("--check-int8", action="store_true",

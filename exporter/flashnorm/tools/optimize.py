@@ -25,11 +25,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="fold into a private copy of a weight shared with other nodes (tied LM head)")
     parser.add_argument("--for-quantization", metavar="FORMAT", choices=sorted(FORMATS),
                         help="the model will be quantized after folding: fold only the sites whose fold is predicted "
-                             "to keep that quantizer's weight error within 1.5%% of the unfolded model's (simulated "
-                             f"round-to-nearest; {'; '.join(f'{k}: {v.description}' for k, v in FORMATS.items())}); "
-                             "each site's predicted error ratio is in the report (docs/QUANTIZATION.md). For a float "
-                             "model: one whose norms already feed quantized consumers is refused (fold it without "
-                             "this option)")
+                             "to keep that quantizer's weight error within the format's share of the unfolded model's "
+                             "(simulated round-to-nearest; "
+                             + "; ".join(f"{k}: {v.description} (share {v.share * 100:g} %%)" for k, v in FORMATS.items())
+                             + "); each site's predicted error ratio is in the report (docs/QUANTIZATION.md). For a "
+                               "float model: one whose norms already feed quantized consumers is refused (fold it "
+                               "without this option)")
     parser.add_argument("--external-data", action=argparse.BooleanOptionalAction, default=None,
                         help="store weights in OUT.onnx.data (default: as the input did, or when over ~1.8 GB)")
     add_quant_limit_option(parser)

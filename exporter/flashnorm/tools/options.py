@@ -67,10 +67,15 @@ def add_model_input_options(parser: argparse.ArgumentParser) -> None:
     given = source.add_mutually_exclusive_group()
     given.add_argument("--text", help="compare on this text, tokenized with the model's tokenizer")
     given.add_argument("--input-ids", metavar="IDS", help="compare on these token ids ('1,2,3')")
-    given.add_argument("--shipped-text", action="store_true",
-                       help="compare on the public-domain text that ships with flashnorm (about 2 000 tokens of "
-                            "English prose): the same positions every run, so a budget's verdict does not vary "
-                            "with a draw")
+    from flashnorm.validate.likelihood import DEFAULT_SHIPPED_TEXT, SHIPPED_TEXTS
+
+    given.add_argument("--shipped-text", nargs="?", const=DEFAULT_SHIPPED_TEXT, choices=[*SHIPPED_TEXTS, "all"],
+                       metavar="NAME",
+                       help="compare on public-domain text that ships with flashnorm, about 2 000 tokens each: "
+                            + "; ".join(f"{name}: {kind}" for name, (_, kind) in SHIPPED_TEXTS.items())
+                            + f" (NAME: one of them, or all, each its own feed; no NAME: {DEFAULT_SHIPPED_TEXT}; a "
+                              "quantized pair under --budget takes all four unless told otherwise): the same "
+                              "positions every run, so a budget's verdict does not vary with a draw")
     source.add_argument("--tokenizer", metavar="SOURCE",
                         help="tokenizer for --text: HF directory, .gguf file or model name "
                              "(default: the source recorded by flashnorm export)")

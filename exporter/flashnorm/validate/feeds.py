@@ -40,7 +40,8 @@ class FeedOptions:
 
     text: str | None = None
     input_ids: str | None = None
-    shipped_text: bool = False
+    shipped_text: str | None = None
+    """A shipped text's name, or 'all' (likelihood.SHIPPED_TEXTS)."""
     tokenizer: str | None = None
     batch: int | None = None
     sequence: int | None = None
@@ -73,20 +74,22 @@ def build_feeds(
     description: dict[str, Any] = {"seed": seed}
     if options.text is not None or options.input_ids is not None or options.shipped_text:
         if options.shipped_text:
-            from flashnorm.validate.likelihood import shipped_text
+            from flashnorm.validate.likelihood import shipped_text, shipped_text_names
 
-            ids = tokenize(shipped_text(), tokenizer_for(reference, options.tokenizer))
-            description["text"] = f"the shipped public-domain text ({ids.size} tokens)"
+            tokenizer = tokenizer_for(reference, options.tokenizer)
+            # One feed per text: the texts differ in length, and each is measured from its start.
+            id_batches = [tokenize(shipped_text(name), tokenizer) for name in shipped_text_names(options.shipped_text)]
+            description["text"] = "the shipped public-domain texts " + ", ".join(
+                f"{name} ({ids.size} tokens)" for name, ids in zip(shipped_text_names(options.shipped_text), id_batches))
         elif options.text is not None:
-            ids = tokenize(options.text, tokenizer_for(reference, options.tokenizer))
+            id_batches = [tokenize(options.text, tokenizer_for(reference, options.tokenizer))]
             description["text"] = options.text
         else:
-            ids = parse_input_ids(options.input_ids)
-        description["input_ids"] = describe_ids(ids)
+            id_batches = [parse_input_ids(options.input_ids)]
+        description["input_ids"] = describe_ids(id_batches[0])
         flag = "--shipped-text" if options.shipped_text else "--text" if options.text is not None else "--input-ids"
-        check_context(signature, ids.shape[1] + options.past_length + options.generate,
+        check_context(signature, max(ids.shape[1] for ids in id_batches) + options.past_length + options.generate,
                       flag + ("/--past-length" if options.past_length else "") + ("/--generate" if options.generate else ""))
-        id_batches = [ids]
     else:
         for name, value in (("batch", batch), ("sequence", sequence), ("iterations", options.iterations)):
             if value < 1:

@@ -6,11 +6,14 @@ A quantized model's logits differ from the float model's by far more than a half
 elementwise or relative-L2 limits say little about what a user sees. The mean NLL per token of
 real text does: the *extra* NLL of a quantized model over the float model is the quantizer's
 damage, and the fold may add at most 10 % to it (`MAX_EXTRA_RATIO`), or +0.002 nats where the
-unfolded quantized model is no worse than the float model (`MIN_ALLOWANCE`). Greedy tokens after
-a prompt from the text are reported against both models; they are not judged.
+unfolded quantized model is no worse than the float model (`MIN_ALLOWANCE`). That ratio comes
+with a 95 % interval from a paired bootstrap over segments of the text (`validate.bootstrap`),
+and the verdict is within, over or inconclusive. Greedy tokens after a prompt from the first
+text are reported against both models; they are not judged.
 
-The text that ships with the package (`data/public_domain_text.txt`, about 2 000 SmolLM2 tokens
-of public-domain English prose) is the default.
+The texts that ship with the package (`SHIPPED_TEXTS`, `data/`, about 2 000 SmolLM2 tokens each
+of public-domain writing of four kinds; `data/README.md` says where each comes from) are the
+default, all of them.
 
 Any causal-LM ONNX file that ONNX Runtime runs: `input_ids`, optionally `attention_mask`,
 `position_ids` and `past_key_values.<i>.key/value` (fed empty; onnxruntime-genai's builder
@@ -24,11 +27,12 @@ from __future__ import annotations
 import dataclasses
 import os
 from importlib import resources
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-from flashnorm.errors import FlashNormError
+from flashnorm.errors import EXIT_FAILED_CHECK, EXIT_INCONCLUSIVE, FlashNormError
+from flashnorm.validate import bootstrap
 
 MAX_EXTRA_RATIO = 1.1
 """Largest allowed (candidate's extra NLL) / (reference's extra NLL), both over the float model."""
@@ -43,10 +47,38 @@ _ORT_TYPES = {"tensor(float)": np.float32, "tensor(float16)": np.float16, "tenso
               "tensor(int64)": np.int64, "tensor(int32)": np.int32}
 
 
-def shipped_text() -> str:
-    """The text that ships with the package, without its header line(s) (`#` lines)."""
-    raw = resources.files("flashnorm.validate").joinpath("data/public_domain_text.txt").read_text(encoding="utf-8")
-    return "\n".join(line for line in raw.splitlines() if not line.startswith("#")).strip() + "\n"
+SHIPPED_TEXTS: dict[str, tuple[str, str]] = {
+    "declaration": ("public_domain_text.txt", "political prose: the US Declaration of Independence and the "
+                                              "Gettysburg Address"),
+    "botchan": ("botchan.txt", "narrative prose: Natsume Soseki's Botchan, Yasotaro Morri's 1918 translation"),
+    "midsummer": ("midsummer_nights_dream.txt", "drama in verse: Shakespeare's A Midsummer Night's Dream, Act I"),
+    "sqlite": ("sqlite3_h.txt", "C code and technical writing: the SQLite C header, sqlite3.h"),
+}
+"""The texts that ship with the package (`--shipped-text NAME`; `all` for every one): name →
+(file under `data/`, what kind of writing it is)."""
+DEFAULT_SHIPPED_TEXT = "declaration"
+"""The text `--shipped-text` without a name takes (the half budget's text before there were
+several: each feed of the half budget holds both models' logits, 9 GB for this one)."""
+
+
+def shipped_text(name: str = DEFAULT_SHIPPED_TEXT) -> str:
+    """A text that ships with the package, without its header (the `#` lines it starts with)."""
+    if name not in SHIPPED_TEXTS:
+        raise FlashNormError(f"no shipped text {name!r}; choose from {', '.join(SHIPPED_TEXTS)} or all")
+    raw = resources.files("flashnorm.validate").joinpath(f"data/{SHIPPED_TEXTS[name][0]}").read_text(encoding="utf-8")
+    lines = raw.splitlines()
+    while lines and lines[0].startswith("#"):  # the header; code below it may start lines with '#'
+        lines.pop(0)
+    return "\n".join(lines).strip() + "\n"
+
+
+def shipped_text_names(choice: str | None) -> list[str]:
+    """The names `--shipped-text CHOICE` takes: one, or every one for 'all' or None."""
+    if choice in (None, "all"):
+        return list(SHIPPED_TEXTS)
+    if choice not in SHIPPED_TEXTS:
+        raise FlashNormError(f"--shipped-text {choice}: no such text; choose from {', '.join(SHIPPED_TEXTS)} or all")
+    return [choice]
 
 
 def quantized_ops(model_path: str | os.PathLike[str]) -> dict[str, int]:
@@ -146,22 +178,38 @@ def greedy_tokens(session: Any, prompt: Sequence[int], count: int, *, head_size:
     return out
 
 
+Texts = Mapping[str, Sequence[int]]
+"""Token ids per text name: every text is measured alone, its NLLs kept apart."""
+
+
 @dataclasses.dataclass
 class ModelLikelihood:
     model: str
     nll: float
-    """Mean NLL per predicted token, nats."""
+    """Mean NLL per predicted token over every text, nats."""
+    text_nll: dict[str, float]
+    """Mean NLL per predicted token of each text."""
     greedy: list[int]
+    """Greedy tokens after the first text's first `prompt_tokens`."""
     quantized_ops: dict[str, int]
     optimization_level: str
+    token_nll: dict[str, np.ndarray] = dataclasses.field(repr=False, default_factory=dict)
+    """Each text's per-token NLLs (what the bootstrap resamples); not in reports."""
 
 
-def measure(model_path: str | os.PathLike[str], ids: Sequence[int], *, optimization_level: str = "all",
+def _as_texts(ids: Texts | Sequence[int]) -> dict[str, list[int]]:
+    if isinstance(ids, Mapping):
+        return {name: [int(i) for i in values] for name, values in ids.items()}
+    return {"ids": [int(i) for i in ids]}
+
+
+def measure(model_path: str | os.PathLike[str], ids: Texts | Sequence[int], *, optimization_level: str = "all",
             providers: Sequence[str] = ("CPUExecutionProvider",), window: int = DEFAULT_WINDOW,
             prompt_tokens: int = PROMPT_TOKENS, greedy: int = GREEDY_TOKENS, session: Any = None) -> ModelLikelihood:
-    """Mean NLL of `ids` and `greedy` tokens after its first `prompt_tokens`, on ONNX Runtime
-    (`optimization_level`: 'basic' loads ModelOpt's int8 files, which ONNX Runtime 1.32's
-    default level refuses). `session` replaces the one made from the path."""
+    """Mean NLL of `ids` (one text's token ids, or token ids per text name) and `greedy` tokens
+    after the first text's first `prompt_tokens`, on ONNX Runtime (`optimization_level`: 'basic'
+    loads ModelOpt's int8 files, which ONNX Runtime 1.32's default level refuses). `session`
+    replaces the one made from the path."""
     from flashnorm.validate.runners import make_session
 
     if session is None:
@@ -170,11 +218,14 @@ def measure(model_path: str | os.PathLike[str], ids: Sequence[int], *, optimizat
         except FlashNormError as exc:
             hint = " (ModelOpt's int8 files load at --optimization-level basic)" if optimization_level != "basic" else ""
             raise FlashNormError(f"{exc}{hint}") from None
-    ids = [int(i) for i in ids]
+    texts = _as_texts(ids)
     head_size = past_head_size(model_path)
-    nll = float(token_nll(session, ids, window=window, head_size=head_size).mean())
-    generated = greedy_tokens(session, ids[:prompt_tokens], greedy, head_size=head_size) if greedy else []
-    return ModelLikelihood(os.fspath(model_path), nll, generated, quantized_ops(model_path), optimization_level)
+    per_token = {name: token_nll(session, values, window=window, head_size=head_size) for name, values in texts.items()}
+    first = next(iter(texts.values()))
+    generated = greedy_tokens(session, first[:prompt_tokens], greedy, head_size=head_size) if greedy else []
+    return ModelLikelihood(os.fspath(model_path), float(np.concatenate(list(per_token.values())).mean()),
+                           {name: float(values.mean()) for name, values in per_token.items()}, generated,
+                           quantized_ops(model_path), optimization_level, per_token)
 
 
 def agreement(a: Sequence[int], b: Sequence[int]) -> int:
@@ -187,13 +238,21 @@ def agreement(a: Sequence[int], b: Sequence[int]) -> int:
     return count
 
 
+EXIT_CODES = {bootstrap.WITHIN: 0, bootstrap.OVER: EXIT_FAILED_CHECK, bootstrap.INCONCLUSIVE: EXIT_INCONCLUSIVE}
+"""`flashnorm compare --budget`'s exit code per verdict (the CLI's table, flashnorm.errors):
+0 within the budget, 1 over it, 4 inconclusive (more text would settle it)."""
+
+
 @dataclasses.dataclass
 class NllBudget:
     float_model: str
     reference: str
     candidate: str
     tokens: int
+    """Token ids measured, all texts together (each window's first token is not predicted)."""
     text: str
+    texts: dict[str, int]
+    """Token ids per text."""
     float_nll: float
     reference_nll: float
     candidate_nll: float
@@ -205,6 +264,15 @@ class NllBudget:
     """The largest candidate_extra allowed, nats."""
     max_extra_ratio: float
     min_allowance: float
+    interval: dict[str, Any]
+    """The verdict over all texts with its 95 % interval (bootstrap.Interval)."""
+    text_intervals: dict[str, dict[str, Any]]
+    """The same for each text alone (reported, not judged)."""
+    bootstrap: dict[str, Any]
+    """How the interval was drawn: segment length (tokens), resamples, seed, confidence."""
+    verdict: str
+    """within, over or inconclusive (the interval's)."""
+    exit_code: int
     prompt: list[int]
     float_greedy: list[int]
     reference_greedy: list[int]
@@ -216,6 +284,7 @@ class NllBudget:
     quantized_ops: dict[str, dict[str, int]]
     optimization_level: str
     passed: bool
+    """Within the budget: the whole interval under the line."""
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -230,60 +299,89 @@ def nll_limit(float_nll: float, reference_nll: float, *, max_extra_ratio: float 
 
 
 def judge(float_result: ModelLikelihood, reference: ModelLikelihood, candidate: ModelLikelihood, *,
-          tokens: int, text: str, prompt: Sequence[int], max_extra_ratio: float = MAX_EXTRA_RATIO,
-          min_allowance: float = MIN_ALLOWANCE) -> NllBudget:
-    """The budget's verdict from three measurements of the same token ids."""
+          text: str, tokens: Mapping[str, int], prompt: Sequence[int], max_extra_ratio: float = MAX_EXTRA_RATIO,
+          min_allowance: float = MIN_ALLOWANCE, block: int = bootstrap.DEFAULT_BLOCK,
+          resamples: int = bootstrap.DEFAULT_RESAMPLES, seed: int = bootstrap.DEFAULT_SEED) -> NllBudget:
+    """The budget's verdict from three measurements of the same texts (`tokens`: token ids per text)."""
     reference_extra = reference.nll - float_result.nll
     candidate_extra = candidate.nll - float_result.nll
     limit = nll_limit(float_result.nll, reference.nll, max_extra_ratio=max_extra_ratio, min_allowance=min_allowance)
+    options = dict(max_extra_ratio=max_extra_ratio, min_allowance=min_allowance, block=block, resamples=resamples,
+                   seed=seed)
+    arrays = (float_result.token_nll, reference.token_nll, candidate.token_nll)
+    overall = bootstrap.interval(*arrays, **options)
+    if not np.isfinite(candidate.nll):
+        overall = dataclasses.replace(overall, verdict=bootstrap.OVER, tokens_to_settle=None)
+    by_text = bootstrap.per_text(*arrays, **options) if len(float_result.token_nll) > 1 else {}
     return NllBudget(
-        float_model=float_result.model, reference=reference.model, candidate=candidate.model, tokens=tokens,
-        text=text, float_nll=float_result.nll, reference_nll=reference.nll, candidate_nll=candidate.nll,
+        float_model=float_result.model, reference=reference.model, candidate=candidate.model,
+        tokens=sum(tokens.values()), text=text, texts=dict(tokens),
+        float_nll=float_result.nll, reference_nll=reference.nll, candidate_nll=candidate.nll,
         reference_extra=reference_extra, candidate_extra=candidate_extra,
         ratio=candidate_extra / reference_extra if reference_extra > 0 else None, limit=limit,
-        max_extra_ratio=max_extra_ratio, min_allowance=min_allowance, prompt=[int(t) for t in prompt],
+        max_extra_ratio=max_extra_ratio, min_allowance=min_allowance, interval=overall.to_dict(),
+        text_intervals={name: result.to_dict() for name, result in by_text.items()},
+        bootstrap={"segment_tokens": block, "resamples": resamples, "seed": seed, "confidence": bootstrap.CONFIDENCE},
+        verdict=overall.verdict, exit_code=EXIT_CODES[overall.verdict], prompt=[int(t) for t in prompt],
         float_greedy=float_result.greedy, reference_greedy=reference.greedy, candidate_greedy=candidate.greedy,
         candidate_agrees_with_float=agreement(candidate.greedy, float_result.greedy),
         candidate_agrees_with_reference=agreement(candidate.greedy, reference.greedy),
         reference_agrees_with_float=agreement(reference.greedy, float_result.greedy),
         quantized_ops={"reference": reference.quantized_ops, "candidate": candidate.quantized_ops},
-        optimization_level=candidate.optimization_level,
-        passed=bool(np.isfinite(candidate.nll)) and candidate_extra <= limit,
+        optimization_level=candidate.optimization_level, passed=overall.verdict == bootstrap.WITHIN,
     )
 
 
 def judge_nll_budget(float_model: str | os.PathLike[str], reference: str | os.PathLike[str],
-                     candidate: str | os.PathLike[str], ids: Sequence[int], *, text: str,
+                     candidate: str | os.PathLike[str], ids: Texts | Sequence[int], *, text: str,
                      optimization_level: str = "all", float_optimization_level: str | None = None,
                      providers: Sequence[str] = ("CPUExecutionProvider",), window: int = DEFAULT_WINDOW,
                      greedy: int = GREEDY_TOKENS, max_extra_ratio: float = MAX_EXTRA_RATIO,
-                     min_allowance: float = MIN_ALLOWANCE) -> NllBudget:
+                     min_allowance: float = MIN_ALLOWANCE, block: int = bootstrap.DEFAULT_BLOCK,
+                     resamples: int = bootstrap.DEFAULT_RESAMPLES, seed: int = bootstrap.DEFAULT_SEED) -> NllBudget:
     """Measure the float model, the reference (unfolded quantized) and the candidate (folded
-    quantized) on `ids` and judge the candidate. One session at a time."""
-    ids = [int(i) for i in ids]
+    quantized) on `ids` (one text's token ids, or per text name) and judge the candidate. One
+    session at a time."""
+    texts = _as_texts(ids)
     common = dict(providers=providers, window=window, greedy=greedy)
-    float_result = measure(float_model, ids, optimization_level=float_optimization_level or optimization_level,
+    float_result = measure(float_model, texts, optimization_level=float_optimization_level or optimization_level,
                            **common)
-    reference_result = measure(reference, ids, optimization_level=optimization_level, **common)
-    candidate_result = measure(candidate, ids, optimization_level=optimization_level, **common)
-    return judge(float_result, reference_result, candidate_result, tokens=len(ids), text=text,
-                 prompt=ids[:PROMPT_TOKENS], max_extra_ratio=max_extra_ratio, min_allowance=min_allowance)
+    reference_result = measure(reference, texts, optimization_level=optimization_level, **common)
+    candidate_result = measure(candidate, texts, optimization_level=optimization_level, **common)
+    return judge(float_result, reference_result, candidate_result, text=text,
+                 tokens={name: len(values) for name, values in texts.items()}, prompt=next(iter(texts.values()))[:PROMPT_TOKENS], max_extra_ratio=max_extra_ratio,
+                 min_allowance=min_allowance, block=block, resamples=resamples, seed=seed)
 
 
 def format_nll_budget(report: dict[str, Any]) -> str:
-    """A few lines: the three NLLs, the extras and the limit, the greedy agreement, the verdict."""
+    """A few lines: the three NLLs, the extras and the limit, the ratio with its interval (over
+    all texts, then per text), the greedy agreement, the verdict and its exit code."""
     ratio = f" ({report['ratio']:.3f}x)" if report["ratio"] is not None else ""
     rule = (f"extra ≤ {report['max_extra_ratio']:g} × the reference's" if report["reference_extra"] > 0
             else f"extra ≤ +{report['min_allowance']:g} nats: the reference is no worse than the float model")
+    draws = report["bootstrap"]
     lines = [
         f"quantized budget: mean NLL per token on {report['text']} ({report['tokens']} tokens), "
         f"against the float model {report['float_model']}:",
         f"  float {report['float_nll']:.4f}, reference {report['reference_nll']:.4f} "
         f"(extra {report['reference_extra']:+.4f}), candidate {report['candidate_nll']:.4f} "
         f"(extra {report['candidate_extra']:+.4f}){ratio}; limit {report['limit']:+.4f}",
+        f"  {bootstrap.describe(report['interval'])}",
+        f"  (paired bootstrap over segments of {draws['segment_tokens']} tokens, {draws['resamples']} resamples, "
+        f"seed {draws['seed']})",
+    ]
+    if report["text_intervals"]:
+        lines.append("  each text alone (reported, not judged):")
+    for name, result in report["text_intervals"].items():
+        lines.append(f"    {name} ({result['tokens']} tokens): {bootstrap.describe(result)}")
+    lines += [
         f"  greedy {len(report['candidate_greedy'])} tokens: candidate agrees with the float model for "
         f"{report['candidate_agrees_with_float']}, with the reference for {report['candidate_agrees_with_reference']} "
         f"(reference with the float model: {report['reference_agrees_with_float']})",
-        f"{'PASSED' if report['passed'] else 'FAILED'} ({rule})",
+        f"{_VERDICT_WORDS[report['verdict']]} ({rule}; exit {report['exit_code']}: 0 within, 1 over, 4 inconclusive)",
     ]
     return "\n".join(lines)
+
+
+_VERDICT_WORDS = {bootstrap.WITHIN: "PASSED: within the budget", bootstrap.OVER: "FAILED: over the budget",
+                  bootstrap.INCONCLUSIVE: "INCONCLUSIVE: the interval spans the budget's line"}

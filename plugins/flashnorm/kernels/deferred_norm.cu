@@ -129,7 +129,8 @@ cudaError_t launch_post_scale_typed(void const* product, float const* scales, fl
     dim3 const grid(static_cast<unsigned>((n + columns_per_block - 1) / columns_per_block),
         static_cast<unsigned>(m < kMaxGridY ? m : kMaxGridY));
     // On the H200: 0.2 µs off two_stream on SmolLM2-135M's and Llama-3.2-1B's q|k|v and SmolLM2's
-    // gate|up, within ±0.3 µs on the larger problems (kernels/DESIGN.md, "Launch-level variants").
+    // gate|up, within ±0.3 µs on the larger problems (docs/history/2026-12-03-kernel-notes.md,
+    // "Launch-level variants").
     cudaLaunchAttribute attribute{};
     attribute.id = cudaLaunchAttributeProgrammaticStreamSerialization;
     attribute.val.programmaticStreamSerializationAllowed = 1;

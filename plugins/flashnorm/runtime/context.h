@@ -38,7 +38,7 @@ inline PrenormLayout prenorm_layout(int64_t m, int64_t k, int64_t n, flashnorm_d
 
 // Consecutive splits of one width: prenorm runs each run as one GEMM, a pointer-array batched one
 // for several splits, tiled like a GEMM over their whole width where a GEMM per split was up to
-// 1.2× slower (kernels/DESIGN.md).
+// 1.2× slower (docs/history/2026-11-29-kernel-notes.md, "Prenorm: one batched GEMM per run").
 inline int split_runs(flashnorm_problem const& problem, SplitRun (&runs)[FLASHNORM_MAX_OUTPUTS])
 {
     return dispatch::split_runs(problem.num_outputs, problem.split_sizes, runs);

