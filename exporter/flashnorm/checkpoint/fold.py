@@ -172,9 +172,14 @@ def _fold_layer_norm(norm: Any, linears: list[Any], round_to: str | None) -> boo
     (nn.Linear stores W as [out, in]; GPT-2's Conv1D as [in, out]). After centring, every row
     of W_c sums to zero over the input channels, so x·W_cᵀ = (x − μ)·W_cᵀ: the consumer no
     longer needs the mean, and the LayerNorm, left with weight 1 and bias 0, still computes
-    the same function. A linear without a bias gets one (b·W is rarely zero). Returns False
-    (nothing changed) when g is all ones and b all zeros."""
+    the same function. Rounded to float16 or bfloat16, the rows keep summing to zero
+    (`flashnorm.rounding.round_centred`, as the ONNX fold rounds them), which a deferred node
+    relies on. A linear without a bias gets one (b·W is rarely zero). Returns False (nothing
+    changed) when g is all ones and b all zeros."""
+    import numpy as np
     import torch
+
+    from flashnorm.rounding import round_centred
 
     gain = norm.weight.detach().to(torch.float64)
     shift = norm.bias.detach().to(torch.float64) if getattr(norm, "bias", None) is not None else torch.zeros_like(gain)
@@ -191,10 +196,11 @@ def _fold_layer_norm(norm: Any, linears: list[Any], round_to: str | None) -> boo
         weight = linear.weight.detach().to(torch.float64)
         weight = weight.T if conv1d else weight  # [out, in]
         bias = linear.bias.detach().to(torch.float64) if linear.bias is not None else torch.zeros(weight.shape[0], dtype=torch.float64)
-        scaled = weight * gain
-        centred = scaled - scaled.mean(dim=1, keepdim=True)
+        target = round_to or str(linear.weight.dtype).removeprefix("torch.")
+        # The target type's values, held exactly in float64 until the weight's own type takes them.
+        centred = torch.from_numpy(round_centred((weight * gain).numpy(), 1, target).astype(np.float64))
         new_bias = bias + weight @ shift
-        linear.weight.copy_(rounded(centred.T if conv1d else centred, linear.weight))
+        linear.weight.copy_(centred.T if conv1d else centred)
         if linear.bias is None:
             linear.bias = torch.nn.Parameter(rounded(new_bias, linear.weight), requires_grad=False)
         else:

@@ -49,6 +49,7 @@ from flashnorm.modelio.values import DerivedValues, stored_values
 from flashnorm.progress import track
 from flashnorm.reference_functions import add_reference_functions
 from flashnorm.report import PassReport
+from flashnorm.rounding import round_centred
 
 class NotDeferrable(Exception):
     """Why a site cannot become a FlashNormMatMul (one line)."""
@@ -97,10 +98,11 @@ class Projection:
         return weight
 
     def centred_matrix(self, stored: np.ndarray) -> np.ndarray:
-        """`matrix`, each column minus its mean over K, computed in float64 and rounded once."""
+        """`matrix`, each column minus its mean over K, computed in float64 and rounded once (in
+        half precision with the columns' rounded sums kept at zero: `flashnorm.rounding`; a no-op
+        on a weight the fold centred so)."""
         weight = (stored.T if self.transposed else stored).astype(np.float64) * self.alpha
-        weight -= weight.mean(axis=0, keepdims=True)
-        return weight.astype(stored.dtype)
+        return round_centred(weight, 0, stored.dtype)
 
 
 def _stored_matrix(use: LinearUse, where: str) -> tuple[gs.Tensor, bool, Optional[DequantizedWeight]]:

@@ -58,6 +58,7 @@ from flashnorm.passes.quantized import DEFAULT_QUANT_LIMIT, NotQuantFoldable, Qu
 from flashnorm.progress import track
 from flashnorm.report import PassReport
 from flashnorm.quantization_aware import Candidate, rule
+from flashnorm.rounding import round_centred
 
 _FOLDABLE_DTYPES = {"float16", "bfloat16", "float32", "float64", "double", "float"}
 # What may sit between a weight and its initializer without changing its values.
@@ -163,7 +164,7 @@ def measure_rounding(weight: np.ndarray, gain: np.ndarray, where: str,
     largest = float(np.max(np.abs(exact))) if exact.size else 0.0
     limit = largest_finite(weight.dtype)
     with np.errstate(over="ignore"):
-        rounded = exact.astype(weight.dtype)
+        rounded = exact.astype(weight.dtype) if centre_axis is None else round_centred(exact, centre_axis, weight.dtype)
     if not np.all(np.isfinite(rounded.astype(np.float32))):
         raise NotFoldable(f"{where}: |g·W| reaches {largest:.6g}, beyond {weight.dtype.name}'s largest finite "
                           f"value {limit:.6g}: folding would write inf; kept the gain")
@@ -358,12 +359,12 @@ def row_scaler(gain: np.ndarray, dtype: np.dtype) -> Callable[[np.ndarray], np.n
 
 def centring_scaler(gain: np.ndarray, axis: int) -> Callable[[np.ndarray], np.ndarray]:
     """The function that turns a weight W into W* = W · gain centred over `axis` (K: each
-    output column minus its mean, so that 1ᵀW_c = 0), computed in float64 and rounded once."""
+    output column minus its mean, so that 1ᵀW_c = 0), computed in float64 and rounded once, in
+    half precision so that the rounded columns still sum to zero (`flashnorm.rounding`)."""
     def scale_and_centre(w: np.ndarray) -> np.ndarray:
         wide = w.astype(np.float64)
         np.multiply(wide, gain, out=wide)
-        wide -= wide.mean(axis=axis, keepdims=True)
-        return wide.astype(w.dtype)
+        return round_centred(wide, axis, w.dtype)
 
     return scale_and_centre
 
