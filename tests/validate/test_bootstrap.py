@@ -116,3 +116,18 @@ def test_mismatched_arrays_are_refused():
         bootstrap.interval(f, r, {"t": c["t"][:-1]}, **OPTIONS)
     with pytest.raises(ValueError, match="same texts"):
         bootstrap.interval(f, r, {"u": c["t"]}, **OPTIONS)
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_a_one_segment_text_has_its_estimate_as_its_interval(seed):
+    # 95 tokens under a 64-token block are one segment: every draw is that segment, and the estimate
+    # is summed as the draws are, so low == estimate == high to the last bit (CI once saw the estimate
+    # one ulp above `high` when it was summed another way).
+    rng = np.random.default_rng(seed)
+    f = rng.gamma(2.0, 1.5, 95)
+    r = f + rng.uniform(0.01, 0.2, 95)
+    c = r + rng.normal(0.3, 0.2, 95)
+    for statistic, (reference, candidate) in {"ratio": (r, c), "extra": (f - 0.1, c)}.items():
+        result = bootstrap.interval({"t": f}, {"t": reference}, {"t": candidate}, **OPTIONS)
+        assert result.statistic == statistic and result.segments == 1
+        assert result.low == result.estimate == result.high

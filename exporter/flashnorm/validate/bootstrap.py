@@ -96,8 +96,10 @@ def interval(float_nll: Mapping[str, np.ndarray], reference_nll: Mapping[str, np
         reference_parts.append(_segment_sums(r - f, block))
         counts.append(_segment_sums(np.ones_like(f), block))
     tokens = int(sum(part.sum() for part in counts))
-    candidate_extra = sum(part.sum() for part in candidate_parts) / tokens
-    reference_extra = sum(part.sum() for part in reference_parts) / tokens
+    # The estimate is summed as each draw is (segment sums, text by text), so a draw that picks every
+    # segment once, as every draw of a one-segment text does, equals it to the last bit.
+    candidate_total = sum(part.sum() for part in candidate_parts)
+    reference_total = sum(part.sum() for part in reference_parts)
 
     rng = np.random.default_rng(seed)
     draws_candidate = np.zeros(resamples)
@@ -109,14 +111,14 @@ def interval(float_nll: Mapping[str, np.ndarray], reference_nll: Mapping[str, np
         draws_reference += ref[picks].sum(axis=1)
         draws_tokens += count[picks].sum(axis=1)
 
-    if reference_extra > 0:
-        statistic, estimate, line = "ratio", candidate_extra / reference_extra, max_extra_ratio
+    if reference_total > 0:
+        statistic, estimate, line = "ratio", candidate_total / reference_total, max_extra_ratio
         with np.errstate(divide="ignore", invalid="ignore"):
             # A draw whose reference costs nothing has no ratio: it counts as far above the line.
             draws = np.where(draws_reference > 0, draws_candidate / np.where(draws_reference > 0, draws_reference, 1),
                              np.inf)
     else:
-        statistic, estimate, line = "extra", candidate_extra, min_allowance
+        statistic, estimate, line = "extra", candidate_total / tokens, min_allowance
         draws = draws_candidate / draws_tokens
     low, high = _percentiles(draws, confidence)
     verdict = WITHIN if high <= line else OVER if low > line else INCONCLUSIVE
