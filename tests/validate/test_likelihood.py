@@ -178,3 +178,19 @@ def test_compare_budget_inconclusive_exits_4(trio, tmp_path, capsys):
     report = json.loads((tmp_path / "b.json").read_text())["quantized_budget"]
     assert report["verdict"] == "inconclusive" and report["exit_code"] == 4 and not report["passed"]
     assert "INCONCLUSIVE" in out and "seed 5" in out and "exit 4" in out
+
+
+def test_genai_config_beside_the_model_is_read_as_untrusted(tmp_path):
+    import os
+
+    model = tmp_path / "model.onnx"
+    assert likelihood.past_head_size(model) is None  # no genai_config.json: nothing declared
+    config = tmp_path / "genai_config.json"
+    config.write_text(json.dumps({"model": {"decoder": {"head_size": 64}}}))
+    assert likelihood.past_head_size(model) == 64
+    config.write_text(json.dumps({"model": []}))
+    assert likelihood.past_head_size(model) is None  # another layout: the model's own shapes decide
+    config.unlink()
+    os.mkfifo(config)  # a FIFO without a writer: refused at once, never waited on
+    with pytest.raises(FlashNormError, match="genai config .* is a FIFO, not a regular file"):
+        likelihood.past_head_size(model)

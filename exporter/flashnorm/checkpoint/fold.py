@@ -474,7 +474,7 @@ def _write_config(source: Path, destination: Path, folded: list[NormSite], untie
     `.half()` refused) although no written weight is."""
     from flashnorm import __version__
 
-    config = json.loads(source.read_text())
+    config = read_json(source, "config")
     if dequantized:
         config.pop("quantization_config", None)
     config[FOLD_KEY] = {

@@ -99,13 +99,16 @@ def quantized_ops(model_path: str | os.PathLike[str]) -> dict[str, int]:
 def past_head_size(model_path: str | os.PathLike[str]) -> int | None:
     """The head size of the past keys/values of a model onnxruntime-genai's builder wrote, from
     the genai_config.json beside it (its fp32 models declare that axis symbolically), else None."""
-    import json
     from pathlib import Path
 
+    from flashnorm.export.checks import read_json
+
     config = Path(model_path).parent / "genai_config.json"
-    try:
-        return int(json.loads(config.read_text())["model"]["decoder"]["head_size"])
-    except (OSError, ValueError, KeyError, TypeError):
+    if not config.exists():
+        return None
+    try:  # a FIFO, device or oversized file there is refused in one line, never waited on
+        return int(read_json(config, "genai config")["model"]["decoder"]["head_size"])
+    except (ValueError, KeyError, TypeError):
         return None
 
 
