@@ -156,6 +156,17 @@ def test_a_full_stdout_is_one_line_and_exit_2():
     assert result.stderr == "flashnorm probe: error: cannot write to standard output: No space left on device\n"
 
 
+@pytest.mark.parametrize("argv", [["--help"], ["--version"], ["inspect", "--help"]])
+def test_help_and_version_to_a_full_stdout_fail(argv):
+    # argparse itself drops a failed write of these silently (exit 0, nothing printed).
+    with open("/dev/full", "w") as full:
+        result = subprocess.run([sys.executable, "-m", "flashnorm.cli", *argv], stdout=full, stderr=subprocess.PIPE,
+                                text=True, timeout=120)
+    command = "flashnorm inspect" if argv[0] == "inspect" else "flashnorm"
+    assert result.returncode == 2
+    assert result.stderr == f"{command}: error: cannot write to standard output: No space left on device\n"
+
+
 def test_an_ascii_only_stdout_gets_escapes_instead_of_a_crash():
     result = _probe(2, capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONIOENCODING": "ascii"})
     assert result.returncode == 0 and result.stderr == "", result.stderr

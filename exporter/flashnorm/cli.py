@@ -67,6 +67,16 @@ class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> NoReturn:
         raise _UsageError(f"{self.prog}: error: {message} (see {self.prog} --help)")
 
+    def _print_message(self, message: str, file: Any = None) -> None:
+        # argparse drops a failed write of --help or --version silently (exit 0 with nothing
+        # printed, e.g. to /dev/full); here it fails the command as any other write does.
+        if message:
+            stream = file or sys.stdout
+            try:
+                stream.write(message)
+            except OSError as exc:
+                raise _StreamFailed(stream, exc) from None
+
 
 def build_parser(argv: Sequence[str]) -> argparse.ArgumentParser:
     parser = _Parser(
@@ -210,7 +220,7 @@ def _discard(stream: Any) -> None:
 def _say(command: str, label: str, message: str) -> None:
     """The one line of a command that did not succeed, on stderr (nothing if stderr is gone)."""
     with contextlib.suppress(OSError):
-        print(f"flashnorm {command}: {label}: {message}", file=sys.stderr, flush=True)
+        print(f"{' '.join(filter(None, ('flashnorm', command)))}: {label}: {message}", file=sys.stderr, flush=True)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
