@@ -65,10 +65,10 @@ class QuantFormat:
 
 
 FORMATS: dict[str, QuantFormat] = {
-    "int4": QuantFormat("int4", 4, 128, "int4 weight-only, blocks of 128 along K (ModelOpt rtn_dq; ONNX Runtime's "
-                                        "MatMulNBitsQuantizer RTN, symmetric or not, --block_size 128; "
+    "int4": QuantFormat("int4", 4, 128, "int4 weight-only, blocks of 128 along K (ModelOpt rtn_dq and awq_clip; "
+                                        "ONNX Runtime's MatMulNBitsQuantizer RTN, symmetric or not, --block_size 128; "
                                         "onnxruntime-genai's builder with --int4_block_size 128). Not held, quantize "
-                                        "unfolded: ModelOpt awq_clip, MatMulNBitsQuantizer HQQ", share=0.0075),
+                                        "unfolded: MatMulNBitsQuantizer HQQ", share=0.0075),
     "int4-b32": QuantFormat("int4-b32", 4, 32, "int4 weight-only, blocks of 32 along K (onnxruntime-genai's "
                                                "builder default; MatMulNBitsQuantizer RTN asymmetric, --block_size "
                                                "32). Not held, quantize unfolded: MatMulNBitsQuantizer RTN symmetric "
