@@ -21,13 +21,18 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import os
 import stat
 import weakref
 from pathlib import Path, PurePosixPath, PureWindowsPath
-from typing import Iterable
+from typing import Any, Iterable
 
 from flashnorm.errors import FlashNormError
+
+MAX_JSON_BYTES = 64 << 20
+"""A JSON file of a model (config, index) larger than this is refused unread (a config is a few
+kB; an index holds one short line per tensor)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -158,6 +163,22 @@ class InputFile:
 
     def close(self) -> None:
         self._closer()
+
+
+def read_json(path: str | os.PathLike[str], what: str) -> Any:
+    """A small JSON file of a model (config, index, genai_config.json), read once through an
+    `InputFile`, bounded by `MAX_JSON_BYTES`; any failure one line."""
+    source = InputFile(path, what)
+    try:
+        if source.size > MAX_JSON_BYTES:
+            raise FlashNormError(f"{what} {path} is {source.size} bytes; "
+                                 f"a {what} over {MAX_JSON_BYTES} bytes is refused")
+        return json.loads(source.read_at(0, source.size))
+    except (ValueError, RecursionError) as exc:
+        reason = "nested too deeply" if isinstance(exc, RecursionError) else str(exc).splitlines()[0]
+        raise FlashNormError(f"{what} {path} is not readable JSON: {reason}") from None
+    finally:
+        source.close()
 
 
 class Unchanged:

@@ -25,10 +25,11 @@ from flashnorm.checkpoint.shards import (
 )
 from flashnorm.checkpoint.sites import NormSite, loaded_structure, probe_structure
 from flashnorm.errors import FlashNormError
-from flashnorm.export.checks import check_model_directory, read_json
+from flashnorm.export.checks import check_model_directory
 from flashnorm.files import staged_directory
 from flashnorm.progress import ByteProgress
 from flashnorm.quantization_aware import Candidate, Rule, int8_error_estimate, rule
+from flashnorm.untrusted import read_json
 
 if TYPE_CHECKING:
     from flashnorm.export.sources import ModelSource

@@ -6,21 +6,16 @@ lengths inside the file. Each refusal is one line (`FlashNormError`)."""
 
 from __future__ import annotations
 
-import json
 import mmap
 import os
 import struct
 from pathlib import Path
-from typing import Any
 
 from flashnorm.errors import FlashNormError
-from flashnorm.untrusted import InputFile, confined, regular_identity
+from flashnorm.untrusted import InputFile, confined, read_json, regular_identity
 
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 SAFETENSORS_SINGLE = "model.safetensors"
-MAX_JSON_BYTES = 64 << 20
-"""A config or index JSON larger than this is refused unread (a config is a few kB; an index holds
-one short line per tensor)."""
 
 
 def hub_blobs(directory: Path) -> list[Path]:
@@ -61,21 +56,6 @@ def check_model_directory(directory: Path) -> list[Path]:
             continue  # folders are not read; a dangling symlink is the reader's "missing file"
         files.append(model_file(directory, entry.name, "model file"))
     return files
-
-
-def read_json(path: Path, what: str) -> Any:
-    """A small JSON file of a model (config, index), read once, bounded, any failure one line."""
-    source = InputFile(path, what)
-    try:
-        if source.size > MAX_JSON_BYTES:
-            raise FlashNormError(f"{what} {path} is {source.size} bytes; "
-                                 f"a {what} over {MAX_JSON_BYTES} bytes is refused")
-        return json.loads(source.read_at(0, source.size))
-    except (ValueError, RecursionError) as exc:
-        reason = "nested too deeply" if isinstance(exc, RecursionError) else str(exc).splitlines()[0]
-        raise FlashNormError(f"{what} {path} is not readable JSON: {reason}") from None
-    finally:
-        source.close()
 
 
 def safetensors_shards(directory: Path) -> list[str] | None:

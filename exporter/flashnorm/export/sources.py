@@ -10,7 +10,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
 from flashnorm.errors import FlashNormError
-from flashnorm.export.checks import check_gguf, check_model_directory, read_json, safetensors_shards
+from flashnorm.export.checks import check_gguf, check_model_directory, safetensors_shards
+from flashnorm.untrusted import read_json
 
 if TYPE_CHECKING:
     from flashnorm.export.encoders import Encoder

@@ -101,7 +101,7 @@ def past_head_size(model_path: str | os.PathLike[str]) -> int | None:
     the genai_config.json beside it (its fp32 models declare that axis symbolically), else None."""
     from pathlib import Path
 
-    from flashnorm.export.checks import read_json
+    from flashnorm.untrusted import read_json
 
     config = Path(model_path).parent / "genai_config.json"
     if not config.exists():
