@@ -52,7 +52,7 @@ def work(tmp_path_factory):
 def _budget(tmp_path, fp32, reference, candidate) -> dict:
     report = tmp_path / "budget.json"
     code = cli.main(["compare", str(reference), str(candidate), "--budget", str(fp32), "--input-ids",
-                     ",".join(map(str, IDS)), "--optimization-level", "basic", "--generate", "8",
+                     ",".join(map(str, IDS)), "--optimization-level", "basic", "--generate", "8", "--budget-segment", "8",
                      "--report", str(report), "-q"])
     result = json.loads(report.read_text())["quantized_budget"]
     assert code == result["exit_code"] == {"within": 0, "over": 1, "inconclusive": 4}[result["verdict"]]

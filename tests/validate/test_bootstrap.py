@@ -131,3 +131,19 @@ def test_a_one_segment_text_has_its_estimate_as_its_interval(seed):
         result = bootstrap.interval({"t": f}, {"t": reference}, {"t": candidate}, **OPTIONS)
         assert result.statistic == statistic and result.segments == 1
         assert result.low == result.estimate == result.high
+        # ... which claims a certainty one segment cannot give: inconclusive, saying why.
+        assert result.verdict == bootstrap.INCONCLUSIVE and result.too_few_segments and result.tokens_to_settle is None
+        assert "95 tokens make 1 segment(s); an interval needs at least 8" in bootstrap.describe(result)
+
+
+def test_fewer_than_eight_segments_are_inconclusive_whatever_the_ratio():
+    # A candidate six times the reference's extra NLL: over at 8 segments of 64 tokens, and
+    # inconclusive (too little text) at 7, however clear the draws look.
+    for segments, verdict in ((7, bootstrap.INCONCLUSIVE), (8, bootstrap.OVER)):
+        result = bootstrap.interval(*trio(0.1, 0.6, tokens=64 * segments, noise=0.05), **OPTIONS)
+        assert result.segments == segments and result.low > LINE
+        assert result.verdict == verdict and result.too_few_segments == (segments < bootstrap.MIN_SEGMENTS)
+    texts = [trio(0.1, 0.6, tokens=64 * 4, noise=0.05, seed=seed) for seed in (1, 2)]
+    pooled = bootstrap.interval(*({f"t{i}": part["t"] for i, part in enumerate(t[k] for t in texts)} for k in range(3)),
+                                **OPTIONS)
+    assert pooled.segments == 8 and pooled.verdict == bootstrap.OVER  # the count is over all texts

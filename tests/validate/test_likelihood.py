@@ -128,27 +128,32 @@ def test_shipped_texts():
 def test_judge_nll_budget(trio):
     fp32, reference, worse = trio
     ids = _ids(64)
-    same = likelihood.judge_nll_budget(fp32, reference, reference, ids, text="ids", greedy=4)
-    assert same.passed and same.candidate_nll == same.reference_nll
+    # `worse` costs NLL (so there is a ratio): the same file as candidate is the ratio 1 in every draw.
+    same = likelihood.judge_nll_budget(fp32, worse, worse, ids, text="ids", greedy=4, block=4)
+    assert same.passed and same.candidate_nll == same.reference_nll and same.interval["high"] == 1
     assert same.candidate_agrees_with_reference == 4 and same.quantized_ops["candidate"]
-    bad = likelihood.judge_nll_budget(fp32, reference, worse, ids, text="ids", greedy=4)
-    assert not bad.passed and bad.candidate_extra > bad.limit
+    bad = likelihood.judge_nll_budget(fp32, reference, worse, ids, text="ids", greedy=4, block=4)
+    assert not bad.passed and bad.verdict == "over" and bad.candidate_extra > bad.limit
 
 
 def test_compare_budget_on_a_quantized_pair(trio, tmp_path, capsys):
     fp32, reference, worse = trio
     ids = ",".join(map(str, _ids(48)))
     report_path = tmp_path / "report.json"
-    argv = ["compare", str(reference), str(reference), "--budget", str(fp32), "--input-ids", ids,
-            "--optimization-level", "basic", "--generate", "5", "--report", str(report_path)]
+    argv = ["compare", str(worse), str(worse), "--budget", str(fp32), "--input-ids", ids,
+            "--optimization-level", "basic", "--generate", "5", "--budget-segment", "4", "--report", str(report_path)]
     assert cli.main(argv) == 0
     out = capsys.readouterr().out
     report = json.loads(report_path.read_text())["quantized_budget"]
     assert report["passed"] and report["tokens"] == 48 and len(report["candidate_greedy"]) == 5
     assert "quantized budget: mean NLL per token" in out and "PASSED" in out
-    argv[2] = str(worse)
+    argv[1:3] = [str(reference), str(worse)]
     assert cli.main(argv) == 1
     assert "FAILED" in capsys.readouterr().out
+    argv[argv.index("--budget-segment") + 1] = "8"  # 48 tokens: 6 segments, too few for an interval
+    assert cli.main(argv) == 4
+    out = capsys.readouterr().out
+    assert "INCONCLUSIVE: too little text for an interval" in out and "47 tokens make 6 segment(s)" in out  # 48 ids predict 47
 
 
 def test_compare_budget_refuses_a_quantized_float_model(trio, capsys):

@@ -19,6 +19,10 @@ ratio stayed where it is.
 
 Where the reference's extra NLL is ≤ 0 (the quantizer costs nothing on this text), there is no
 ratio: the statistic is the candidate's extra NLL itself, against `min_allowance` nats.
+
+Text of fewer than `MIN_SEGMENTS` segments in all is too little for an interval: the verdict is
+inconclusive whatever the draws say (one segment makes every draw the estimate itself, an interval
+of width zero).
 """
 
 from __future__ import annotations
@@ -33,6 +37,10 @@ DEFAULT_BLOCK = 64
 """Tokens per bootstrap segment: long enough to hold the dependence between neighbouring
 tokens' NLLs, short enough that a text of 2 000 tokens has 30 segments to draw from."""
 DEFAULT_RESAMPLES = 2000
+MIN_SEGMENTS = 8
+"""The fewest segments (over all texts) whose resamples bound the ratio: with n segments there are
+C(2n − 1, n) distinct resamples, 6 435 at 8 (one at 1), and a percentile interval from fewer is
+narrower than the text's own noise."""
 DEFAULT_SEED = 0
 CONFIDENCE = 0.95
 
@@ -55,7 +63,9 @@ class Interval:
     segments: int
     tokens_to_settle: int | None
     """Inconclusive only: about how many tokens of text of the same kind would settle the
-    verdict, if the estimate stayed where it is (None: it sits on the line)."""
+    verdict, if the estimate stayed where it is (None: it sits on the line, or too few segments)."""
+    too_few_segments: bool = False
+    """Fewer than MIN_SEGMENTS segments: inconclusive, whatever the interval."""
 
     def to_dict(self) -> dict[str, object]:
         return dataclasses.asdict(self)
@@ -121,15 +131,17 @@ def interval(float_nll: Mapping[str, np.ndarray], reference_nll: Mapping[str, np
         statistic, estimate, line = "extra", candidate_total / tokens, min_allowance
         draws = draws_candidate / draws_tokens
     low, high = _percentiles(draws, confidence)
-    verdict = WITHIN if high <= line else OVER if low > line else INCONCLUSIVE
+    segments = int(sum(part.size for part in counts))
+    too_few = segments < MIN_SEGMENTS
+    verdict = INCONCLUSIVE if too_few else WITHIN if high <= line else OVER if low > line else INCONCLUSIVE
     settle = None
-    if verdict == INCONCLUSIVE:
+    if verdict == INCONCLUSIVE and not too_few:
         distance = abs(line - estimate)
         half_width = (high - estimate) if estimate < line else (estimate - low)
         if distance > 0 and math.isfinite(half_width):
             settle = int(math.ceil(tokens * (half_width / distance) ** 2))
-    return Interval(statistic, float(estimate), float(low), float(high), float(line), verdict, tokens,
-                    int(sum(part.size for part in counts)), settle)
+    return Interval(statistic, float(estimate), float(low), float(high), float(line), verdict, tokens, segments,
+                    settle, too_few)
 
 
 def _percentiles(draws: np.ndarray, confidence: float) -> tuple[float, float]:
@@ -158,7 +170,10 @@ def describe(result: Interval | Mapping[str, object], confidence: float = CONFID
         text = (f"extra {r['estimate']:+.4f} nats ({confidence * 100:g} % interval {r['low']:+.4f} to {r['high']:+.4f}; "
                 f"line +{r['line']:g})")
     text += f": {r['verdict']}"
-    if r["verdict"] == INCONCLUSIVE:
+    if r.get("too_few_segments"):
+        text += (f" ({r['tokens']:,} tokens make {r['segments']} segment(s); an interval needs at least "
+                 f"{MIN_SEGMENTS}: more text, or a smaller --budget-segment)")
+    elif r["verdict"] == INCONCLUSIVE:
         settle = r.get("tokens_to_settle")
         text += (f" (about {settle:,} tokens of such text, {settle / r['tokens']:.1f}× these {r['tokens']:,}, would "
                  "settle it if the estimate held)" if settle else " (the estimate sits on the line: no amount of text "

@@ -381,10 +381,13 @@ def format_nll_budget(report: dict[str, Any]) -> str:
         f"  greedy {len(report['candidate_greedy'])} tokens: candidate agrees with the float model for "
         f"{report['candidate_agrees_with_float']}, with the reference for {report['candidate_agrees_with_reference']} "
         f"(reference with the float model: {report['reference_agrees_with_float']})",
-        f"{_VERDICT_WORDS[report['verdict']]} ({rule}; exit {report['exit_code']}: 0 within, 1 over, 4 inconclusive)",
+        f"{_verdict_words(report)} ({rule}; exit {report['exit_code']}: 0 within, 1 over, 4 inconclusive)",
     ]
     return "\n".join(lines)
 
 
-_VERDICT_WORDS = {bootstrap.WITHIN: "PASSED: within the budget", bootstrap.OVER: "FAILED: over the budget",
-                  bootstrap.INCONCLUSIVE: "INCONCLUSIVE: the interval spans the budget's line"}
+def _verdict_words(report: dict[str, Any]) -> str:
+    if report["interval"].get("too_few_segments"):
+        return "INCONCLUSIVE: too little text for an interval"
+    return {bootstrap.WITHIN: "PASSED: within the budget", bootstrap.OVER: "FAILED: over the budget",
+            bootstrap.INCONCLUSIVE: "INCONCLUSIVE: the interval spans the budget's line"}[report["verdict"]]
