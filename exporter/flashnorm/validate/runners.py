@@ -42,8 +42,14 @@ def make_session(
     optimization_level: str = "all",
     threads: int | None = None,
 ):
-    """An ONNX Runtime session for `model_path` (external data is read beside the file)."""
+    """An ONNX Runtime session for `model_path` (external data is read beside the file). ONNX
+    Runtime opens the model and its data by name: our reader checks them first (inside the
+    model's folder, regular files, every tensor's bytes there), and the session is refused if any
+    of them changed while ONNX Runtime read them (docs/SECURITY.md)."""
     import onnxruntime as ort
+
+    from flashnorm.modelio import external_data_files
+    from flashnorm.untrusted import Unchanged
 
     available = ort.get_available_providers()
     missing = [p for p in providers if p not in available]
@@ -52,11 +58,15 @@ def make_session(
     options = session_options(optimization_level)
     if threads:
         options.intra_op_num_threads = threads
+    read = Unchanged([(model_path, "model"),
+                      *((data, "external data file") for data in external_data_files(model_path))])
     try:
-        return ort.InferenceSession(os.fspath(model_path), sess_options=options, providers=list(providers))
+        session = ort.InferenceSession(os.fspath(model_path), sess_options=options, providers=list(providers))
     except Exception as exc:  # onnxruntime raises its own unexported exception types
         first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise FlashNormError(f"ONNX Runtime cannot load {model_path}: {first_line[:300]}") from None
+    read.check()
+    return session
 
 
 def onnxrt_runner_factory(
