@@ -165,8 +165,9 @@ def optimized(model_path: Path, passes: Sequence[str] = ("fold", "cancel"), *, u
 def release(path: Path) -> None:
     """Remove a cached file or folder and every file derived beside it (optimized copies and
     their reports, external data: names that begin with its stem and a dot). Nothing goes where
-    FLASHNORM_TEST_CACHE keeps the cache across sessions."""
-    if os.environ.get(CACHE_ENV):
+    FLASHNORM_TEST_CACHE keeps the cache across sessions. A folder already gone (the session's
+    temporary folder, removed when the last test's teardown ends the session) leaves nothing."""
+    if os.environ.get(CACHE_ENV) or not path.parent.is_dir():
         return
     prefix = (path.stem if path.suffix == ".onnx" else path.name) + "."
     for entry in path.parent.iterdir():
