@@ -153,7 +153,8 @@ def test_compare_budget_on_a_quantized_pair(trio, tmp_path, capsys):
     argv[argv.index("--budget-segment") + 1] = "8"  # 48 tokens: 6 segments, too few for an interval
     assert cli.main(argv) == 4
     out = capsys.readouterr().out
-    assert "INCONCLUSIVE: too little text for an interval" in out and "47 tokens make 6 segment(s)" in out  # 48 ids predict 47
+    assert "INCONCLUSIVE: too little text for an interval" in out and "47 tokens make 6 segment(s)" in out
+    assert "(48 tokens, 47 of them predicted)" in out  # the first has no context to be predicted from
 
 
 def test_compare_budget_refuses_a_quantized_float_model(trio, capsys):

@@ -364,7 +364,8 @@ def format_nll_budget(report: dict[str, Any]) -> str:
             else f"extra ≤ +{report['min_allowance']:g} nats: the reference is no worse than the float model")
     draws = report["bootstrap"]
     lines = [
-        f"quantized budget: mean NLL per token on {report['text']} ({report['tokens']} tokens), "
+        f"quantized budget: mean NLL per token on {report['text']} ({report['tokens']} tokens, "
+        f"{report['interval']['tokens']} of them predicted), "
         f"against the float model {report['float_model']}:",
         f"  float {report['float_nll']:.4f}, reference {report['reference_nll']:.4f} "
         f"(extra {report['reference_extra']:+.4f}), candidate {report['candidate_nll']:.4f} "
