@@ -70,7 +70,17 @@ def deferred_served(pytriton_venv, smollm2_deferred_onnx, tmp_path_factory):
 @pytest.fixture(scope="module")
 def reference(smollm2_onnx):
     """ONNX Runtime on the exported model before any FlashNorm pass."""
-    session = ort.InferenceSession(str(smollm2_onnx), providers=["CPUExecutionProvider"])
+    return _logits(smollm2_onnx)
+
+
+@pytest.fixture(scope="module")
+def folded_file(smollm2_folded_onnx):
+    """ONNX Runtime on the very file `smollm2_served` serves."""
+    return _logits(smollm2_folded_onnx)
+
+
+def _logits(path):
+    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
     return lambda feeds: session.run(["logits"], feeds)[0]
 
 
@@ -108,15 +118,25 @@ def _relative_error(actual: np.ndarray, expected: np.ndarray) -> float:
     return float(np.abs(actual.astype(np.float64) - expected).max() / np.abs(expected).max())
 
 
-def test_folded_logits_over_http_and_grpc_match_onnxruntime(smollm2_served, reference, rng):
-    _assert_logits_match_onnxruntime(smollm2_served, MODEL, reference, rng)
+def _assert_served(served: np.ndarray, feeds, same_file, original) -> None:
+    """Serving adds nothing to the file's own logits (batched with other requests or not), and
+    the file stays within the fold's fp32 difference of the original export: that reaches 1.0e-4
+    of the largest logit on rare inputs (FLASHNORM_TEST_SEED=3017606173 here: 3 tokens, relative
+    L2 2.5e-5; at most 1.4e-5 over 40 other draws), with the batch of 2 or 4 making no difference;
+    the fold's accuracy against float64 is test_defer's."""
+    assert _relative_error(served, same_file(feeds)) < 1e-6
+    assert _relative_error(served, original(feeds)) < 1e-3
 
 
-def test_deferred_logits_over_http_and_grpc_match_onnxruntime(deferred_served, reference, rng):
-    _assert_logits_match_onnxruntime(deferred_served, DEFERRED, reference, rng)
+def test_folded_logits_over_http_and_grpc_match_onnxruntime(smollm2_served, folded_file, reference, rng):
+    _assert_logits_match_onnxruntime(smollm2_served, MODEL, folded_file, reference, rng)
 
 
-def _assert_logits_match_onnxruntime(server, model: str, reference, rng) -> None:
+def test_deferred_logits_over_http_and_grpc_match_onnxruntime(deferred_served, smollm2_deferred_onnx, reference, rng):
+    _assert_logits_match_onnxruntime(deferred_served, DEFERRED, _logits(smollm2_deferred_onnx), reference, rng)
+
+
+def _assert_logits_match_onnxruntime(server, model: str, same_file, reference, rng) -> None:
     # ≥ 11 tokens: the [2, length, 49152] fp32 logits exceed 4 MiB, gRPC's default message limit.
     feeds = _feeds(rng, batch=2, length=int(rng.integers(11, 17)))
     expected = reference(feeds)
@@ -134,10 +154,10 @@ def _assert_logits_match_onnxruntime(server, model: str, reference, rng) -> None
         grpc.close()
     for served in (over_http, over_grpc):
         assert served.dtype == np.float32 and served.shape == expected.shape
-        assert _relative_error(served, expected) < 1e-4
+        _assert_served(served, feeds, same_file, reference)
 
 
-def test_concurrent_requests_are_batched_and_split_back(smollm2_served, reference, rng):
+def test_concurrent_requests_are_batched_and_split_back(smollm2_served, folded_file, reference, rng):
     length = int(rng.integers(3, 9))
     first, second = _feeds(rng, 2, length), _feeds(rng, 2, length)
     http = httpclient.InferenceServerClient(smollm2_served.http_url, concurrency=2)
@@ -149,7 +169,7 @@ def test_concurrent_requests_are_batched_and_split_back(smollm2_served, referenc
     finally:
         http.close()
     for feeds, served in zip((first, second), results):
-        assert _relative_error(served, reference(feeds)) < 1e-4
+        _assert_served(served, feeds, folded_file, reference)
     # Two requests of batch 2 fill max_batch_size 4: Triton hands them to one execute() call.
     assert int(after["inference_count"]) - int(before["inference_count"]) == 4
     assert int(after["execution_count"]) - int(before["execution_count"]) == 1
@@ -167,7 +187,7 @@ def _statistics_after(http, counter: str, at_least: int, timeout: float = 10.0) 
         time.sleep(0.05)
 
 
-def test_a_bad_request_batched_with_a_good_one_fails_alone(smollm2_served, reference, rng):
+def test_a_bad_request_batched_with_a_good_one_fails_alone(smollm2_served, folded_file, reference, rng):
     length = int(rng.integers(3, 9))
     good, bad = _feeds(rng, 2, length), _feeds(rng, 2, length)
     bad["input_ids"][1, -1] = VOCAB + int(rng.integers(0, 1000))  # one token id out of range
@@ -183,10 +203,10 @@ def test_a_bad_request_batched_with_a_good_one_fails_alone(smollm2_served, refer
     finally:
         http.close()
     assert int(after["execution_count"]) - int(before["execution_count"]) == 1  # they did meet in one batch
-    assert _relative_error(served, reference(good)) < 1e-4
+    _assert_served(served, good, folded_file, reference)
 
 
-def test_malformed_requests_fail_and_the_server_keeps_serving(smollm2_served, reference, rng):
+def test_malformed_requests_fail_and_the_server_keeps_serving(smollm2_served, folded_file, reference, rng):
     feeds = _feeds(rng, 2, int(rng.integers(3, 9)))
     http = httpclient.InferenceServerClient(smollm2_served.http_url)
     grpc = _grpc_client(smollm2_served.grpc_url)
@@ -217,7 +237,7 @@ def test_malformed_requests_fail_and_the_server_keeps_serving(smollm2_served, re
     finally:
         http.close()
         grpc.close()
-    assert _relative_error(served, reference(feeds)) < 1e-4
+    _assert_served(served, feeds, folded_file, reference)
 
 
 def test_unbatched_model_serves_and_the_server_stops_cleanly(projection_model, pytriton_venv, tmp_path, rng):
