@@ -26,7 +26,7 @@ from flashnorm.engine.progress import make_progress_monitor
 from flashnorm.engine.shapes import ShapeRange
 from flashnorm.errors import FlashNormError, require_file
 from flashnorm.files import atomic_write
-from flashnorm.untrusted import InputFile, Unchanged
+from flashnorm.untrusted import InputFile
 
 
 @dataclasses.dataclass
@@ -225,9 +225,9 @@ def build_serialized_engine(onnx_path: str | os.PathLike[str], options: BuildOpt
     # TensorRT's parser opens the model and its data by name: our own reader checks them first
     # (inside the model's folder, regular files, every tensor's bytes there; one line each), and
     # the plan is refused if any of them changes before it is returned.
-    from flashnorm.modelio import external_data_files
+    from flashnorm.modelio import unchanged_model
 
-    read = Unchanged([(source, "model"), *((data, "external data file") for data in external_data_files(source))])
+    read = unchanged_model(source)
     backend = select_backend(options.backend, options.plugins)
     trt = backend.module
     logger = _build_logger(trt, options.verbose, quiet=not options.progress)

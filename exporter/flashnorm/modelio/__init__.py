@@ -12,7 +12,9 @@ One job per module: `values` (lazy tensor values), `wire` (the protobuf reader),
 Nothing here imports a pass.
 """
 
-from flashnorm.modelio.loading import ModelInterface, external_data_files, load, read_header, read_interface
+from flashnorm.modelio.loading import (
+    ModelInterface, external_data_files, load, read_header, read_interface, unchanged_model,
+)
 from flashnorm.modelio.modelgraph import ModelGraph
 from flashnorm.modelio.saving import EXTERNAL_DATA_THRESHOLD, INLINE_TENSOR_BYTES, save
 from flashnorm.modelio.values import DerivedValues, ExternalValues, tensor_nbytes
@@ -30,4 +32,5 @@ __all__ = [
     "read_interface",
     "save",
     "tensor_nbytes",
+    "unchanged_model",
 ]

@@ -21,7 +21,7 @@ from flashnorm.modelio.graphwalk import all_constants
 from flashnorm.modelio.modelgraph import ModelGraph
 from flashnorm.modelio.values import ExternalValues, stored_values, tensor_nbytes, type_name
 from flashnorm.progress import ByteProgress
-from flashnorm.untrusted import InputFile, confined
+from flashnorm.untrusted import InputFile, Unchanged, confined
 
 _DIGITS = re.compile(r"[0-9]+")
 
@@ -192,3 +192,10 @@ def external_data_files(path: str | os.PathLike[str]) -> list[Path]:
         return sorted(data_files.opened)
     finally:
         source.close()
+
+
+def unchanged_model(path: str | os.PathLike[str]) -> Unchanged:
+    """The identities of the model and of every external-data file it names (checked as
+    `external_data_files` checks them), taken now, for a reader that opens them by name itself
+    (TensorRT's parser, ONNX Runtime): its `check()` refuses any that changed since."""
+    return Unchanged([(path, "model"), *((data, "external data file") for data in external_data_files(path))])

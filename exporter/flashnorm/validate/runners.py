@@ -48,8 +48,7 @@ def make_session(
     of them changed while ONNX Runtime read them (docs/SECURITY.md)."""
     import onnxruntime as ort
 
-    from flashnorm.modelio import external_data_files
-    from flashnorm.untrusted import Unchanged
+    from flashnorm.modelio import unchanged_model
 
     available = ort.get_available_providers()
     missing = [p for p in providers if p not in available]
@@ -58,8 +57,7 @@ def make_session(
     options = session_options(optimization_level)
     if threads:
         options.intra_op_num_threads = threads
-    read = Unchanged([(model_path, "model"),
-                      *((data, "external data file") for data in external_data_files(model_path))])
+    read = unchanged_model(model_path)
     try:
         session = ort.InferenceSession(os.fspath(model_path), sess_options=options, providers=list(providers))
     except Exception as exc:  # onnxruntime raises its own unexported exception types
